@@ -1,0 +1,86 @@
+"""Serve this project's Transformers modeling backend in place of vLLM's stock copy.
+
+The installed `vllm` ships its own `vllm.model_executor.models.transformers`. This
+module owns the one thing that swaps it: a meta-path finder, installed at interpreter
+start by the `vllm_transformers_overlay.pth` hook, that resolves that package name to
+this project's directory. Everything else of `vllm` stays the installed one, and
+nothing else patches vLLM.
+
+Because the hook runs at interpreter start, it is active in every process vLLM spawns
+(API server, engine core, workers, the model-inspection subprocess).
+
+Set `VLLM_TRANSFORMERS_BACKEND=stock` to load vLLM's stock subpackage instead, so one
+environment can compare the two. `python -m vllm_transformers_overlay` prints which
+implementation is active.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+PACKAGE = "vllm.model_executor.models.transformers"
+ENV_SWITCH = "VLLM_TRANSFORMERS_BACKEND"
+PROJECT, STOCK = "project", "stock"
+
+
+def requested() -> str:
+    """The implementation `VLLM_TRANSFORMERS_BACKEND` asks for (default: project)."""
+    value = os.environ.get(ENV_SWITCH, PROJECT).strip().lower() or PROJECT
+    if value not in (PROJECT, STOCK):
+        raise ValueError(f"{ENV_SWITCH} must be {PROJECT!r} or {STOCK!r}, got {value!r}")
+    return value
+
+
+def project_dir() -> Path:
+    """Where this project's copy of the subpackage lives.
+
+    Packaging maps `vllm_transformers_overlay.backend` to the subpackage's directory
+    (the repository's tree in an editable install, a copy in a regular one). Finding
+    its spec locates it without executing it under that name.
+    """
+    spec = importlib.util.find_spec(f"{__name__}.backend")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{__name__} is installed without its backend files")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+class OverlayFinder(importlib.abc.MetaPathFinder):
+    """Resolves `PACKAGE` to `project_dir()`; its submodules follow its `__path__`."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != PACKAGE:
+            return None
+        directory = project_dir()
+        return importlib.util.spec_from_file_location(
+            fullname,
+            directory / "__init__.py",
+            submodule_search_locations=[str(directory)],
+        )
+
+
+def install() -> None:
+    """Put the finder first on `sys.meta_path` unless the stock backend is asked for."""
+    if requested() == STOCK or any(isinstance(f, OverlayFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, OverlayFinder())
+
+
+def active() -> str:
+    """`"project"` or `"stock"`: which implementation `import PACKAGE` loads here."""
+    spec = importlib.util.find_spec(PACKAGE)
+    origin = Path(spec.origin).resolve().parent if spec and spec.origin else None
+    try:
+        ours = project_dir().resolve()
+    except ImportError:
+        return STOCK
+    return PROJECT if origin == ours else STOCK
+
+
+def describe() -> str:
+    """One line naming the active implementation and where its files are."""
+    spec = importlib.util.find_spec(PACKAGE)
+    location = Path(spec.origin).parent if spec and spec.origin else "?"
+    return f"Transformers modeling backend: {active()} ({location})"

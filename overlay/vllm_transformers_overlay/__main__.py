@@ -1,0 +1,5 @@
+"""`python -m vllm_transformers_overlay`: print which backend implementation is active."""
+
+from vllm_transformers_overlay import describe
+
+print(describe())

@@ -1,0 +1,2 @@
+"""placeholder"""
+X = 1
