@@ -1,2 +1,66 @@
-"""placeholder"""
-X = 1
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM's Transformers modeling backend: serve a Hugging Face model with vLLM's
+attention, fused tensor-parallel layers and kernels.
+
+Importing this package registers the `"vllm"` attention function with Transformers;
+the backend sets it as the text config's `_attn_implementation`."""
+
+from transformers import AttentionInterface
+
+from vllm.model_executor.models.transformers.attention import vllm_attention_forward
+from vllm.model_executor.models.transformers.causal import CausalMixin
+
+AttentionInterface.register("vllm", vllm_attention_forward)
+
+
+class TransformersForCausalLM(CausalMixin):
+    """A dense causal LM from Transformers."""
+
+
+class _NotYetSupported:
+    """A backend class vLLM's registry can ask for, which this backend lacks."""
+
+    kind = ""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__}: {self.kind} are not supported by this "
+            "Transformers modeling backend yet. Set VLLM_TRANSFORMERS_BACKEND=stock "
+            "to serve this model with vLLM's stock Transformers backend instead."
+        )
+
+
+def _not_yet_supported(name: str, kind: str) -> type:
+    return type(name, (_NotYetSupported,), {"kind": kind, "__doc__": f"{kind}: not yet."})
+
+
+TransformersMoEForCausalLM = _not_yet_supported(
+    "TransformersMoEForCausalLM", "mixture-of-experts models"
+)
+TransformersMultiModalForCausalLM = _not_yet_supported(
+    "TransformersMultiModalForCausalLM", "multimodal models"
+)
+TransformersMultiModalMoEForCausalLM = _not_yet_supported(
+    "TransformersMultiModalMoEForCausalLM", "multimodal mixture-of-experts models"
+)
+TransformersEmbeddingModel = _not_yet_supported(
+    "TransformersEmbeddingModel", "embedding models"
+)
+TransformersMoEEmbeddingModel = _not_yet_supported(
+    "TransformersMoEEmbeddingModel", "mixture-of-experts embedding models"
+)
+TransformersMultiModalEmbeddingModel = _not_yet_supported(
+    "TransformersMultiModalEmbeddingModel", "multimodal embedding models"
+)
+TransformersForSequenceClassification = _not_yet_supported(
+    "TransformersForSequenceClassification", "sequence classification models"
+)
+TransformersMoEForSequenceClassification = _not_yet_supported(
+    "TransformersMoEForSequenceClassification",
+    "mixture-of-experts sequence classification models",
+)
+TransformersMultiModalForSequenceClassification = _not_yet_supported(
+    "TransformersMultiModalForSequenceClassification",
+    "multimodal sequence classification models",
+)

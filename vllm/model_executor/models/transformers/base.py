@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The backend core: build the HF model on `meta`, fuse it, attach vLLM attention.
+
+Construction happens in this order, each step owned by one place:
+
+1. patch the text config to dispatch attention into vLLM, build the HF model with
+   its parameters on `meta` (`build_hf_model`);
+2. drop the layers another pipeline stage owns (`parallel.py`);
+3. apply the fusers and swap HF layers for vLLM's tensor-parallel ones
+   (`Base.replace_modules`);
+4. attach a vLLM `Attention` to each module that dispatches it (`attention.py`);
+5. allocate what is still on `meta`; weights load later (`loading.py`).
+"""
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.initialization import no_init_weights
+
+from vllm.distributed import get_pp_group
+from vllm.logger import init_logger
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces_base import VllmModel
+from vllm.model_executor.models.transformers.attention import (
+    AttentionSite,
+    attach_attention,
+    attention_sites,
+)
+from vllm.model_executor.models.transformers.fuser import Fusers
+from vllm.model_executor.models.transformers.fusers import AttentionFuser
+from vllm.model_executor.models.transformers.loading import CheckpointLayout
+from vllm.model_executor.models.transformers.parallel import (
+    decoder_layers,
+    drop_other_stages,
+    stage_layer_range,
+)
+from vllm.model_executor.models.transformers.utils import (
+    materialize,
+    parameters_on_meta,
+    replace_linear_class,
+    tp_style,
+)
+from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+from vllm.sequence import IntermediateTensors
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+VLLM_ATTENTION = "vllm"
+
+
+def log_active_implementation() -> None:
+    """Say once, at start, which implementation of this package is serving."""
+    try:
+        from vllm_transformers_overlay import describe
+    except ImportError:
+        logger.info_once("Transformers modeling backend: in-tree")
+        return
+    logger.info_once(describe())
+
+
+def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
+    """The HF causal LM for the model's config, parameters on `meta`, attention
+    dispatching into vLLM."""
+    model_config = vllm_config.model_config
+    config = model_config.hf_config
+    # Only the text config dispatches into vLLM: a vision tower keeps its own.
+    model_config.hf_text_config._attn_implementation = VLLM_ATTENTION
+    architectures = getattr(config, "architectures", None) or []
+    hf_class = next(
+        (getattr(transformers, a) for a in architectures if hasattr(transformers, a)),
+        None,
+    )
+    with parameters_on_meta(), no_init_weights():
+        if hf_class is not None:
+            return hf_class._from_config(config, dtype=model_config.dtype)
+        return AutoModelForCausalLM.from_config(
+            config,
+            dtype=model_config.dtype,
+            trust_remote_code=model_config.trust_remote_code,
+        )
+
+
+class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
+    """A HF model made vLLM-native: fused, tensor-parallel, with vLLM attention."""
+
+    def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
+        super().__init__()
+        log_active_implementation()
+        self.vllm_config = vllm_config
+        self.config = vllm_config.model_config.hf_config
+        self.text_config = vllm_config.model_config.hf_text_config
+        self.quant_config = vllm_config.quant_config
+        self.pp_group = get_pp_group()
+
+        hf_model = build_hf_model(vllm_config)
+        self.model: PreTrainedModel = hf_model.base_model
+        self.layout = CheckpointLayout.of(hf_model)
+        self.tie_word_embeddings = bool(
+            getattr(self.text_config, "tie_word_embeddings", False)
+            or getattr(self.config, "tie_word_embeddings", False)
+        )
+
+        layers_name, layers = decoder_layers(self.model, self.text_config)
+        self.layer_range = stage_layer_range(self.text_config, self.pp_group)
+        drop_other_stages(self.model, layers_name, self.layer_range, self.pp_group, self.tie_word_embeddings)
+
+        self.packed_modules_mapping: dict[str, list[str]] = {}
+        self.weight_copies: dict[str, str] = {}
+        """Parameter name -> another parameter that loads the same checkpoint tensor."""
+        attention_modules = self.replace_modules(getattr(self.model, "_tp_plan", None))
+        layer_names = {i: f"model.{layers_name}.{i}" for i in self.layer_range}
+        self.attention: dict[int, AttentionSite] = attention_sites(attention_modules)
+        attach_attention(self.attention, self.layer_range, vllm_config, prefix, layer_names)
+
+        materialize(self, vllm_config.model_config.dtype, vllm_config.device_config.device)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states"], self.text_config.hidden_size
+        )
+
+    def replace_modules(
+        self, tp_plan: dict[str, str] | None
+    ) -> dict[str, tuple[nn.Module, AttentionFuser]]:
+        """Apply every validated fuser, then swap the remaining HF linears and the vocab
+        embedding for vLLM's. Returns the modules that dispatch attention."""
+        fusers = Fusers(self.model, self.vllm_config)
+        plan = tp_plan or {}
+        vocab_size = self.text_config.vocab_size
+        attention: dict[str, tuple[nn.Module, AttentionFuser]] = {}
+
+        def replace(module: nn.Module, relative: str) -> None:
+            for name, child in list(module.named_children()):
+                rel = f"{relative}{name}"
+                qualname = f"model.{rel}"
+                new = child
+                for fuser in fusers[child]:
+                    new = fuser.fuse(new, qualname, self.vllm_config)
+                    if isinstance(fuser, AttentionFuser):
+                        attention[qualname] = (new, fuser)
+                        continue
+                    logger.info(fuser.info(qualname, new))
+                    self.layout.add_stacked(fuser.stacked_weights(qualname))
+                    for merged, originals in fuser.packed_modules_mapping.items():
+                        self.packed_modules_mapping.setdefault(merged, list(originals))
+                if type(new) is nn.Linear:
+                    style = tp_style(rel, plan)
+                    if style is None and plan:
+                        logger.debug("%s has no tensor-parallel plan: replicated", qualname)
+                    new = replace_linear_class(
+                        new, style or "replicate", self.quant_config, prefix=qualname
+                    )
+                elif type(new) is nn.Embedding and new.num_embeddings == vocab_size:
+                    new = VocabParallelEmbedding(
+                        new.num_embeddings,
+                        new.embedding_dim,
+                        quant_config=self.quant_config,
+                        prefix=qualname,
+                    )
+                else:
+                    replace(new, f"{rel}.")
+                if new is not child:
+                    setattr(module, name, new)
+
+        replace(self.model, "")
+        return attention
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor | IntermediateTensors:
+        if not self.pp_group.is_first_rank:
+            assert intermediate_tensors is not None
+            input_ids, inputs_embeds = None, intermediate_tensors["hidden_states"]
+        # vLLM flattens the batch into one sequence of tokens; HF wants a batch of 1.
+        if inputs_embeds is not None:
+            input_ids, inputs_embeds = None, inputs_embeds.unsqueeze(0)
+        else:
+            input_ids = input_ids.unsqueeze(0)
+        hidden_states = self.model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            position_ids=positions[None] if positions.ndim == 1 else positions[:, None],
+            use_cache=False,
+            **kwargs,
+        ).last_hidden_state[0]
+        if not self.pp_group.is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states})
+        return hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.layout.load(self, weights, copies=self.weight_copies)

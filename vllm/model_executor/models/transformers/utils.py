@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Layer replacement helpers for the Transformers modeling backend.
+
+`replace_linear_class` and `recursive_replace_linear` are also used by vLLM models
+outside this package (vision and audio towers), so their signatures are stable.
+"""
+
+import fnmatch
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.models.utils import maybe_prefix
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization import QuantizationConfig
+
+logger = init_logger(__name__)
+
+Style = Literal[
+    "colwise", "rowwise", "replicate", "colwise_gather_output", "rowwise_split_input"
+]
+
+# HF tensor-parallel plan styles -> (vLLM linear class, its extra arguments).
+_LINEAR_STYLES: dict[str, tuple[type[nn.Module], dict[str, bool]]] = {
+    "colwise": (ColumnParallelLinear, {}),
+    "rowwise": (RowParallelLinear, {}),
+    "replicate": (ReplicatedLinear, {}),
+    "colwise_gather_output": (ColumnParallelLinear, {"gather_output": True}),
+    "rowwise_split_input": (RowParallelLinear, {"input_is_parallel": False}),
+}
+
+
+def replace_linear_class(
+    linear: nn.Linear,
+    style: Style = "replicate",
+    quant_config: "QuantizationConfig | None" = None,
+    *,
+    prefix: str = "",
+) -> ColumnParallelLinear | RowParallelLinear | ReplicatedLinear:
+    """The vLLM linear that stands in for `linear` under tensor-parallel `style`.
+
+    A style vLLM has no linear for is served replicated, which is always correct."""
+    if not isinstance(style, str):
+        raise ValueError(f"Tensor parallel style must be a str, got {type(style)}")
+    linear_cls, extra = _LINEAR_STYLES.get(style, _LINEAR_STYLES["replicate"])
+    return linear_cls(
+        input_size=linear.in_features,
+        output_size=linear.out_features,
+        bias=linear.bias is not None,
+        quant_config=quant_config,
+        prefix=prefix,
+        return_bias=False,
+        **extra,
+    )
+
+
+def recursive_replace_linear(
+    model: nn.Module,
+    quant_config: "QuantizationConfig | None",
+    prefix: str = "",
+) -> None:
+    """Replace every `nn.Linear` under `model` with a replicated vLLM linear."""
+    for name, child in model.named_children():
+        qualname = maybe_prefix(prefix, name)
+        if isinstance(child, nn.Linear):
+            setattr(model, name, replace_linear_class(child, "replicate", quant_config, prefix=qualname))
+        else:
+            recursive_replace_linear(child, quant_config, qualname)
+
+
+def tp_style(qualname: str, plan: Mapping[str, str]) -> str | None:
+    """The style `plan` (HF's `base_model_tp_plan`, `*` for one name) gives `qualname`."""
+    parts = qualname.split(".")
+    for pattern, style in plan.items():
+        pattern_parts = pattern.split(".")
+        if len(pattern_parts) == len(parts) and all(
+            fnmatch.fnmatchcase(part, wanted) for part, wanted in zip(parts, pattern_parts)
+        ):
+            return style
+    return None
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Create every parameter on `meta`, but buffers where they would be.
+
+    Buffers such as rotary `inv_freq` are computed in `__init__` and are not in the
+    checkpoint, so they must be real; parameters are allocated later, by vLLM's
+    layers or `materialize`."""
+    register_parameter = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None):
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register_parameter
+
+
+def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Allocate the parameters still on `meta` (those no vLLM layer replaced)."""
+    for submodule in module.modules():
+        for name, param in list(submodule.named_parameters(recurse=False)):
+            if param.device.type == "meta":
+                data = torch.empty(param.shape, dtype=dtype, device=device)
+                setattr(submodule, name, nn.Parameter(data, requires_grad=False))
