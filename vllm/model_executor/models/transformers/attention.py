@@ -95,12 +95,12 @@ def attach_attention(
     for index in layer_indices:
         site = sites.get(index)
         if site is None:
-            layer = layer_names.get(index, f"layer {index}")
             raise ValueError(
-                f"Decoder layer {index} ({layer}) has no attention module that calls "
-                "the Transformers attention interface (`ALL_ATTENTION_FUNCTIONS`), so "
-                "vLLM cannot serve it. The model's attention must dispatch through "
-                "that interface for the Transformers modeling backend to run it."
+                f"Decoder layer {index}: {layer_names.get(index, '?')}. No module in it "
+                "calls the Transformers attention interface (`ALL_ATTENTION_FUNCTIONS`), "
+                "so vLLM cannot serve its attention. The Transformers modeling backend "
+                "needs every decoder layer's attention to dispatch through that "
+                "interface."
             )
         sliding_window = None
         if layer_types is not None and layer_types[index] == "sliding_attention":

@@ -89,6 +89,17 @@ def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
         )
 
 
+def describe_layer(qualname: str, layer: nn.Module) -> str:
+    """`qualname (Class)`, and the modules in it that look like its attention."""
+    attention = [
+        f"{qualname}.{name} ({type(m).__name__})"
+        for name, m in layer.named_modules()
+        if name and "attention" in type(m).__name__.lower()
+    ]
+    found = f"; its attention: {', '.join(attention)}" if attention else ""
+    return f"{qualname} ({type(layer).__name__}){found}"
+
+
 class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
     """A HF model made vLLM-native: fused, tensor-parallel, with vLLM attention."""
 
@@ -117,7 +128,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         self.weight_copies: dict[str, str] = {}
         """Parameter name -> another parameter that loads the same checkpoint tensor."""
         attention_modules = self.replace_modules(getattr(self.model, "_tp_plan", None))
-        layer_names = {i: f"model.{layers_name}.{i}" for i in self.layer_range}
+        layer_names = {
+            i: describe_layer(f"model.{layers_name}.{i}", layers[i]) for i in self.layer_range
+        }
         self.attention: dict[int, AttentionSite] = attention_sites(attention_modules)
         attach_attention(self.attention, self.layer_range, vllm_config, prefix, layer_names)
 

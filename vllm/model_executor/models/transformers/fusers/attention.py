@@ -125,7 +125,6 @@ class AttentionFuser(BaseFuser):
         if self.scaling is None:
             return default
         expression = ast.unparse(self.scaling)
-        value: object = None
         if isinstance(self.scaling, ast.Constant):
             value = self.scaling.value
         elif (
@@ -134,12 +133,18 @@ class AttentionFuser(BaseFuser):
             and self.scaling.value.id == "self"
         ):
             value = getattr(module, self.scaling.attr, None)
+        else:
+            raise ValueError(
+                f"{type(module).__name__} passes scaling={expression} to the attention "
+                f"interface ({self.location}), which the Transformers modeling backend "
+                "cannot resolve: it needs a number or `self.<attribute>`. Store the "
+                "scale in an attribute and pass that."
+            )
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(
                 f"{type(module).__name__} passes scaling={expression} to the attention "
-                f"interface ({self.location}), which resolves to {value!r}; the "
-                "Transformers modeling backend needs a number or a `self.<attribute>` "
-                "holding one to build vLLM's attention."
+                f"interface ({self.location}), which is {value!r} on this module, not a "
+                "number, so vLLM's attention cannot be built with it."
             )
         return float(value)
 
