@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, ClassVar, Self
 from torch import fx, nn
 
 from vllm.logger import init_logger
+# Defined beside the rewrites that raise it (fx_utils cannot import fusers/), and
+# re-exported here as part of the fuser contracts.
+from vllm.model_executor.models.transformers.fx_utils import FusionDeclined  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,10 +30,6 @@ logger = init_logger(__name__)
 
 ShardId = str | int
 """Which shard of a merged linear an original linear becomes (`"q"`, `0`, ...)."""
-
-
-class FusionDeclined(Exception):
-    """A pattern that almost matched, or a rewrite that cannot be applied safely."""
 
 
 @dataclass(frozen=True)

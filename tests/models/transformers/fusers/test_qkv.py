@@ -1,0 +1,267 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""QKVFuser: separate q/k/v projections -> one QKVParallelLinear + split."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
+from vllm.model_executor.models.transformers.fusers import QKVFuser
+
+HIDDEN, HEAD = 32, 8
+
+
+class Attention(nn.Module):
+    """A small attention in the usual HF style, dispatching through SDPA."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, bias: bool = False):
+        super().__init__()
+        self.head_dim = HEAD
+        self.q_proj = nn.Linear(HIDDEN, heads * HEAD, bias=bias)
+        self.k_proj = nn.Linear(HIDDEN, kv_heads * HEAD, bias=bias)
+        self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD, bias=bias)
+        self.o_proj = nn.Linear(heads * HEAD, HIDDEN, bias=bias)
+
+    def attend(self, q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class ScrambledAttention(nn.Module):
+    """Names say nothing (`c` is the query, `a` the key, `b` the value) and the
+    projections run value first."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = HEAD
+        self.a, self.b, self.c, self.out = (nn.Linear(HIDDEN, HIDDEN) for _ in range(4))
+
+    def forward(self, x):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        value = self.b(x).view(shape).transpose(1, 2)
+        query = self.c(x).view(shape).transpose(1, 2)
+        key = self.a(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True)
+        return self.out(out.transpose(1, 2).flatten(2))
+
+
+class HeadNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HEAD))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+class NormedAttention(Attention):
+    """Norms on q and k between the projections and the attention."""
+
+    def __init__(self):
+        super().__init__(heads=4, kv_heads=1)
+        self.q_norm, self.k_norm = HeadNorm(), HeadNorm()
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
+class CrossAttention(Attention):
+    def forward(self, hidden_states, context):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(context).view(shape).transpose(1, 2)
+        v = self.v_proj(context).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
+class GatedQueryAttention(Attention):
+    """The query projection also yields a gate: wider than the query heads."""
+
+    def __init__(self):
+        super().__init__(heads=2, kv_heads=2)
+        self.q_proj = nn.Linear(HIDDEN, 2 * 2 * HEAD, bias=False)
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, gate = self.q_proj(hidden_states).chunk(2, dim=-1)
+        q = q.reshape(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2) * gate.sigmoid())
+
+
+class MixedBiasAttention(Attention):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, 4 * HEAD, bias=True)
+
+
+class StopsBeforeProjections(Attention):
+    def forward(self, hidden_states):
+        if hidden_states.abs().max() > 1e4:  # data-dependent: tracing stops here
+            hidden_states = hidden_states.clamp(-1e4, 1e4)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
+class StopsBeforeAttention(Attention):
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if k.abs().max() > 1e4:
+            k = k.clamp(-1e4, 1e4)
+        return self.attend(q, k, v)
+
+
+class StopsAfterOutput(Attention):
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = self.attend(q, k, v)
+        if out.isnan().any():
+            raise ValueError("NaN")
+        return out
+
+
+class ProjectionReadElsewhere(Attention):
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.to(self.q_proj.weight.dtype)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
+def tokens(dtype=torch.float32, width: int = HIDDEN, seed: int = 1) -> torch.Tensor:
+    return torch.randn(2, 5, width, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gqa_projections_stack_into_qkv_parallel_linear(equivalent, dtype):
+    fused, applied = equivalent(Attention(), tokens(dtype), dtype=dtype)
+    assert isinstance(applied[0], QKVFuser)
+    assert applied[0].shards == {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+    assert isinstance(fused.qkv_proj, QKVParallelLinear)
+    assert (fused.qkv_proj.total_num_heads, fused.qkv_proj.total_num_kv_heads) == (4, 2)
+    assert isinstance(fused.o_proj, RowParallelLinear)
+    assert not hasattr(fused, "q_proj")
+
+
+def test_mqa_projections_stack(equivalent):
+    fused, _ = equivalent(Attention(heads=4, kv_heads=1), tokens())
+    assert fused.qkv_proj.total_num_kv_heads == 1
+
+
+def test_roles_come_from_dataflow_not_names_or_call_order(equivalent):
+    _, (fuser, *_) = equivalent(ScrambledAttention(), tokens())
+    assert fuser.shards == {"c": "q", "a": "k", "b": "v"}
+    assert fuser.fused_name == "cab"
+    assert fuser.output_name == "out"
+
+
+def test_q_k_norms_between_projection_and_attention_are_kept(equivalent):
+    fused, applied = equivalent(NormedAttention(), tokens())
+    assert isinstance(applied[0], QKVFuser)
+    assert isinstance(fused.qkv_proj, QKVParallelLinear)
+
+
+def test_weights_land_in_their_shards_through_stacked_weights(fuse):
+    module = Attention(bias=True)
+    q, k, v = (getattr(module, f"{n}_proj").bias.detach().clone() for n in "qkv")
+    fused, (fuser,) = fuse(module)
+    assert fuser.stacked_weights("model.layers.0.self_attn") == {
+        f"model.layers.0.self_attn.{n}_proj.": ("model.layers.0.self_attn.qkv_proj.", n) for n in "qkv"
+    }
+    assert fuser.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    torch.testing.assert_close(fused.qkv_proj.bias.data, torch.cat([q, k, v]))
+
+
+def test_llama_attention_is_fused_through_the_attention_interface(equivalent):
+    config = AutoConfig.for_model(
+        "llama", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, attention_bias=True
+    )
+    config._attn_implementation = "eager"
+    cos, sin = tokens(width=HEAD, seed=2), tokens(width=HEAD, seed=3)
+    _, applied = equivalent(LlamaAttention(config, layer_idx=0), tokens(), (cos, sin), None)
+    assert [type(f).__name__ for f in applied] == ["QKVFuser"]
+
+
+def test_qwen3_attention_with_head_norms_is_fused(equivalent):
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=1, head_dim=HEAD
+    )
+    config._attn_implementation = "sdpa"
+    cos, sin = tokens(width=HEAD, seed=2), tokens(width=HEAD, seed=3)
+    _, applied = equivalent(Qwen3Attention(config, layer_idx=0), tokens(), (cos, sin), None)
+    assert isinstance(applied[0], QKVFuser)
+
+
+def test_output_projection_is_found_when_tracing_stops_after_it(equivalent):
+    _, applied = equivalent(StopsAfterOutput(), tokens())
+    assert isinstance(applied[0], QKVFuser)
+
+
+def test_nothing_is_matched_when_tracing_stops_before_the_projections(declined):
+    assert get_fuser(StopsBeforeProjections(), QKVFuser) is None
+    assert declined(QKVFuser) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (CrossAttention(), "read different inputs"),
+        (GatedQueryAttention(), "q is 32 wide but the attention gets 2 heads of 8"),
+        (MixedBiasAttention(), "some of the projections have a bias"),
+        (StopsBeforeAttention(), "did not reach a single attention call"),
+        (ProjectionReadElsewhere(), "forward uses self.q_proj 2 times"),
+    ],
+    ids=["cross-attention", "gated-query", "mixed-bias", "trace-stops-before-attention", "projection-read-elsewhere"],
+)
+def test_near_misses_are_declined_with_a_reason(module, reason, declined):
+    assert get_fuser(module, QKVFuser) is None
+    assert any(reason in r for r in declined(QKVFuser)), declined(QKVFuser)
+
+
+def test_instances_whose_heads_do_not_split_over_tp_ranks_are_not_fused(vllm_config, monkeypatch):
+    fuser = get_fuser(Attention(heads=3, kv_heads=1), QKVFuser)
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert not fuser.validate(Attention(heads=3, kv_heads=1), vllm_config)
+
+
+def test_each_instance_reads_its_own_head_layout():
+    fuser = get_fuser(Attention(heads=4, kv_heads=2), QKVFuser)
+    assert fuser.layout(Attention(heads=6, kv_heads=3)).num_kv_heads == 3
+
+
+def test_stands_beside_the_attention_fuser():
+    config = AutoConfig.for_model("llama", hidden_size=HIDDEN, num_attention_heads=4)
+    config._attn_implementation = "vllm"
+    names = [type(f).__name__ for f in get_fusers(LlamaAttention(config, layer_idx=0))]
+    assert names == ["QKVFuser", "AttentionFuser"]

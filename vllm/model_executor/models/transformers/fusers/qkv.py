@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Separate query, key and value projections, stacked into one `QKVParallelLinear`."""
+
+import ast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self
+
+import torch
+from torch import fx, nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import QKVParallelLinear
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import (
+    FusionDeclined,
+    StackedFuser,
+)
+from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+from vllm.model_executor.models.transformers.utils import replace_linear_class
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+HEAD_SIZE_ATTRIBUTES = ("head_dim", "head_size", "attention_head_size", "config.head_dim")
+NUM_HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "config.num_attention_heads")
+"""Where attention modules keep their head size and query head count. The dataflow
+gives both for the traced instance; the attribute holding the same value is what
+every other instance of the class is read from."""
+
+
+def resolve(module: nn.Module, path: str) -> object:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+def holding(module: nn.Module, paths: tuple[str, ...], value: int) -> str | None:
+    """The first attribute path of `module` holding the integer `value`."""
+    return next((p for p in paths if type(resolve(module, p)) is int and resolve(module, p) == value), None)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Heads of one attention instance, as `QKVParallelLinear` takes them."""
+
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    v_head_size: int
+
+    @classmethod
+    def of(cls, q_size: int, k_size: int, v_size: int, head_size: int) -> "HeadLayout":
+        """The layout of projections of these widths, or `FusionDeclined` saying why
+        they are not whole heads."""
+        if head_size <= 0 or q_size % head_size or k_size % head_size:
+            raise FusionDeclined(
+                f"query width {q_size} and key width {k_size} are not whole heads of {head_size}"
+            )
+        num_heads, num_kv_heads = q_size // head_size, k_size // head_size
+        if num_heads % num_kv_heads or v_size % num_kv_heads:
+            raise FusionDeclined(
+                f"{num_heads} query heads, {num_kv_heads} key heads and value width "
+                f"{v_size} do not group into key/value heads"
+            )
+        return cls(head_size, num_heads, num_kv_heads, v_size // num_kv_heads)
+
+    def check_divides(self, tp_size: int) -> None:
+        """`FusionDeclined` unless `tp_size` ranks can share these heads."""
+        kv, heads = self.num_kv_heads, self.num_heads
+        if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
+            raise FusionDeclined(
+                f"{heads} query / {kv} key-value heads do not split over {tp_size} ranks"
+            )
+
+    def qkv_linear(
+        self, hidden_size: int, bias: bool, prefix: str, vllm_config: "VllmConfig"
+    ) -> QKVParallelLinear:
+        return QKVParallelLinear(
+            hidden_size=hidden_size,
+            head_size=self.head_size,
+            total_num_heads=self.num_heads,
+            total_num_kv_heads=self.num_kv_heads,
+            bias=bias,
+            quant_config=vllm_config.quant_config,
+            prefix=prefix,
+            return_bias=False,
+            v_head_size=self.v_head_size,
+        )
+
+
+def heads_at(node: fx.Node) -> torch.Tensor | None:
+    """The `(batch, heads, tokens, head size)` value reaching the attention call as
+    `node`, read where it was last known: shapes through a partial rotary embedding
+    are not, the projection viewed into heads just before it is."""
+    if isinstance(found := fx_utils.value(node), torch.Tensor):
+        return found
+    known = fx_utils.upstream(
+        node, lambda n: isinstance(v := fx_utils.value(n), torch.Tensor) and v.ndim == 4
+    )
+    shapes = {fx_utils.value(n).shape for n in known}
+    return fx_utils.value(known.pop()) if len(shapes) == 1 else None
+
+
+def attention_roles(graph: fx.Graph) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """The query, key and value the attention call takes, if tracing reached it."""
+    attention = fx_utils.attention_node(graph)
+    return None if attention is None else tuple(attention.args[:3])
+
+
+def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str:
+    """The one linear applied to the attention output, or why there is none."""
+    output = fx_utils.linear_fed_by(fx_utils.attention_node(graph), module)
+    if output is None:
+        return "no single linear projects the attention output"
+    if "." in output.target:
+        return f"the output projection {output.target} is not a direct child"
+    return output
+
+
+def row_parallel(module: nn.Module, name: str, prefix: str, vllm_config: "VllmConfig") -> None:
+    """Swap `module.<name>` for a row-parallel linear: it reads what a column-parallel
+    fusion leaves sharded across ranks."""
+    linear = getattr(module, name)
+    setattr(
+        module,
+        name,
+        replace_linear_class(linear, "rowwise", vllm_config.quant_config, prefix=f"{prefix}.{name}"),
+    )
+
+
+def called_once(graph: fx.Graph, names: list[str]) -> str | None:
+    """Why the children `names` cannot be fused as called, `None` if each is a direct
+    child called once."""
+    for name in names:
+        if "." in name:
+            return f"{name} is not a direct child"
+        calls = sum(n.op == "call_module" and n.target == name for n in graph.nodes)
+        if calls != 1:
+            return f"{name} is called {calls} times"
+    return None
+
+
+@dataclass
+class QKVFuser(StackedFuser):
+    """`q_proj(x), k_proj(x), v_proj(x)` -> `qkv_proj(x).split(sizes)` with `qkv_proj`
+    a `QKVParallelLinear`; the output projection becomes a `RowParallelLinear`.
+
+    Roles come from dataflow: the linear each of the attention call's query, key and
+    value is computed from, whatever the names or the call order, norms or rotary
+    embeddings in between. The head size is the query's last dimension at the call."""
+
+    output_name: str = ""
+    head_size_attribute: str = ""
+    call_spans: dict[str, Span] = field(default_factory=dict)
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
+        if graph is None:
+            return None
+        roles = attention_roles(graph)
+        if roles is None:
+            shared = [n for n in graph.nodes if fx_utils.is_linear(n, module)]
+            inputs = [n.args[0] for n in shared]
+            if any(inputs.count(i) >= 3 for i in inputs):
+                return cls.decline(
+                    module,
+                    "three linears read one input but tracing did not reach a single "
+                    "attention call, so query, key and value cannot be told apart",
+                )
+            return None
+        linears = [fx_utils.linear_feeding(role, module) for role in roles]
+        if all(linear is None for linear in linears) or len(set(linears)) == 1:
+            return None  # nothing to stack, or one packed projection
+        if None in linears or len(set(linears)) != 3:
+            return cls.decline(
+                module, "query, key and value do not each come from their own linear"
+            )
+        q, k, v = linears
+        names = [q.target, k.target, v.target]
+        if reason := called_once(graph, names):
+            return cls.decline(module, reason)
+        if not q.args[0] is k.args[0] is v.args[0]:
+            return cls.decline(module, f"{', '.join(names)} read different inputs")
+        q_mod, k_mod, v_mod = (module.get_submodule(n) for n in names)
+        if len({(m.bias is None) for m in (q_mod, k_mod, v_mod)}) != 1:
+            return cls.decline(module, "some of the projections have a bias, some not")
+        query, key, value = (heads_at(role) for role in roles)
+        if query is None or key is None or value is None:
+            return cls.decline(module, "the head size at the attention call is unknown")
+        head_size = query.shape[-1]
+        try:
+            layout = HeadLayout.of(q_mod.out_features, k_mod.out_features, v_mod.out_features, head_size)
+        except FusionDeclined as reason:
+            return cls.decline(module, str(reason))
+        for role, at_call, width in zip("qkv", (query, key, value), (q_mod, k_mod, v_mod)):
+            if at_call.shape[1] * at_call.shape[-1] != width.out_features:
+                return cls.decline(
+                    module,
+                    f"{role} is {width.out_features} wide but the attention gets "
+                    f"{at_call.shape[1]} heads of {at_call.shape[-1]}",
+                )
+        if key.shape[-1] != head_size:
+            return cls.decline(module, f"key heads of {key.shape[-1]}, query heads of {head_size}")
+        head_size_attribute = holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
+        if head_size_attribute is None:
+            return cls.decline(module, f"no attribute holds the head size {head_size}")
+        output = output_projection(graph, module)
+        if isinstance(output, str):
+            return cls.decline(module, output)
+        return cls(
+            fused_name=fx_utils.merged_name(names, module),
+            shards=dict(zip(names, "qkv")),
+            output_name=output.target,
+            head_size_attribute=head_size_attribute,
+            call_spans={n.target: n.meta.get("span") for n in (q, k, v)},
+        )
+
+    def layout(self, module: nn.Module) -> HeadLayout:
+        """This instance's heads: its head size attribute over its projections' widths."""
+        q, k, v = (getattr(module, name).out_features for name in self.shards)
+        return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
+
+    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+        try:
+            self.layout(module).check_divides(vllm_config.parallel_config.tensor_parallel_size)
+        except FusionDeclined as reason:
+            logger.info("Not fusing %s in this %s: %s", self.fused_name, type(module).__name__, reason)
+            return False
+        return True
+
+    def update_forward(self, module: nn.Module) -> None:
+        rewrite = ForwardRewrite(type(module))
+        calls = [rewrite.self_call(self.call_spans[name], name) for name in self.shards]
+        for name in self.shards:
+            rewrite.expect_single_use(name)
+        x = calls[0].args[0]
+        if not isinstance(x, ast.Name) or any(ast.dump(c.args[0]) != ast.dump(x) for c in calls):
+            raise FusionDeclined("the projections are not applied to one local name")
+        if not rewrite.holds_one_value(x.id, calls):
+            raise FusionDeclined(f"`{x.id}` changes between the projections")
+        block, first, _ = rewrite.region(calls)
+        outputs = [rewrite.fresh_name(f"{name}_out") for name in self.shards]
+        fused = self.fused_name
+        rewrite.insert_before(
+            block[first],
+            ast.parse(
+                f"{', '.join(outputs)} = self.{fused}({x.id})"
+                f".split(self.{fused}.output_partition_sizes, dim=-1)"
+            ).body[0],
+        )
+        for call, output in zip(calls, outputs):
+            rewrite.replace(call, ast.Name(output, ast.Load()))
+        self.fused_forward = rewrite.compile()
+
+    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+        q = getattr(module, next(iter(self.shards)))
+        qkv = self.layout(module).qkv_linear(
+            q.in_features, q.bias is not None, f"{prefix}.{self.fused_name}", vllm_config
+        )
+        for name in self.shards:
+            delattr(module, name)
+        setattr(module, self.fused_name, qkv)
+        row_parallel(module, self.output_name, prefix, vllm_config)
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return f"{super().info(name, module)}; {self.output_name} -> RowParallelLinear"
