@@ -12,6 +12,10 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
+from vllm.model_executor.models.transformers.fusion_report import (
+    AttentionReport,
+    FusionReport,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +86,7 @@ def attach_attention(
     vllm_config: "VllmConfig",
     prefix: str,
     layer_names: dict[int, str],
+    report: FusionReport,
 ) -> None:
     """Give each site in `layer_indices` a vLLM `Attention` as `attn`.
 
@@ -119,6 +124,17 @@ def attach_attention(
             prefix=f"{prefix}{site.qualname}.{ATTN_ATTR}",
         )
         setattr(site.module, ATTN_ATTR, attn)
+        report.attention.append(
+            AttentionReport(
+                layer_index=index,
+                module=site.qualname,
+                module_class=type(site.module).__name__,
+                scale=scale,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
+                mla=False,
+            )
+        )
         logger.info(
             "Attention: %s (%s) -> %s (layer %d, scale %.6g, sliding window %s, "
             "soft-cap %s)",

@@ -32,7 +32,14 @@ from vllm.model_executor.models.transformers.attention import (
     attach_attention,
     attention_sites,
 )
-from vllm.model_executor.models.transformers.fuser import Fusers
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    RowParallelLinear,
+)
+from vllm.model_executor.models.transformers import fusion_report
+from vllm.model_executor.models.transformers.fusion_report import LinearReport
+from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 from vllm.model_executor.models.transformers.loading import CheckpointLayout
 from vllm.model_executor.models.transformers.parallel import (
@@ -89,6 +96,15 @@ def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
         )
 
 
+def style_of(linear: LinearBase) -> str:
+    """The tensor-parallel style a vLLM linear implements."""
+    if isinstance(linear, ColumnParallelLinear):
+        return "colwise"
+    if isinstance(linear, RowParallelLinear):
+        return "rowwise"
+    return "replicate"
+
+
 def describe_layer(qualname: str, layer: nn.Module) -> str:
     """`qualname (Class)`, and the modules in it that look like its attention."""
     attention = [
@@ -112,6 +128,24 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         self.quant_config = vllm_config.quant_config
         self.pp_group = get_pp_group()
 
+        self.report = fusion_report.active()
+        self.report.model = vllm_config.model_config.model
+        try:
+            self.build(vllm_config, prefix)
+        except ValueError as error:
+            self.report.fail(str(error))
+            raise
+        finally:
+            self.report.finish()
+            logger.info(self.report.short())
+
+        materialize(self, vllm_config.model_config.dtype)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states"], self.text_config.hidden_size
+        )
+
+    def build(self, vllm_config: "VllmConfig", prefix: str) -> None:
+        """Build the HF model, then fuse it and attach attention (module docstring)."""
         hf_model = build_hf_model(vllm_config)
         self.model: PreTrainedModel = hf_model.base_model
         self.layout = CheckpointLayout.of(hf_model)
@@ -122,6 +156,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
 
         layers_name, layers = decoder_layers(self.model, self.text_config)
         self.layer_range = stage_layer_range(self.text_config, self.pp_group)
+        self.report.num_layers = len(self.layer_range)
         drop_other_stages(self.model, layers_name, self.layer_range, self.pp_group, self.tie_word_embeddings)
 
         self.packed_modules_mapping: dict[str, list[str]] = {}
@@ -132,11 +167,8 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             i: describe_layer(f"model.{layers_name}.{i}", layers[i]) for i in self.layer_range
         }
         self.attention: dict[int, AttentionSite] = attention_sites(attention_modules)
-        attach_attention(self.attention, self.layer_range, vllm_config, prefix, layer_names)
-
-        materialize(self, vllm_config.model_config.dtype, vllm_config.device_config.device)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states"], self.text_config.hidden_size
+        attach_attention(
+            self.attention, self.layer_range, vllm_config, prefix, layer_names, self.report
         )
 
     def replace_modules(
@@ -153,22 +185,35 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             for name, child in list(module.named_children()):
                 rel = f"{relative}{name}"
                 qualname = f"model.{rel}"
+                applied = fusers[child]
+                self.report.record_module(
+                    type(child).__name__,
+                    matched=[type(f).__name__ for f in get_fusers(child)],
+                    applied=[type(f).__name__ for f in applied],
+                )
                 new = child
-                for fuser in fusers[child]:
+                for fuser in applied:
                     new = fuser.fuse(new, qualname, self.vllm_config)
                     if isinstance(fuser, AttentionFuser):
                         attention[qualname] = (new, fuser)
                         continue
                     logger.info(fuser.info(qualname, new))
+                    self.report.record_fusion(fuser)
                     self.layout.add_stacked(fuser.stacked_weights(qualname))
                     for merged, originals in fuser.packed_modules_mapping.items():
                         self.packed_modules_mapping.setdefault(merged, list(originals))
                 if type(new) is nn.Linear:
                     style = tp_style(rel, plan)
-                    if style is None and plan:
-                        logger.debug("%s has no tensor-parallel plan: replicated", qualname)
                     new = replace_linear_class(
                         new, style or "replicate", self.quant_config, prefix=qualname
+                    )
+                    self.report.linears.append(
+                        LinearReport(qualname, type(new).__name__, style or "replicate", style is not None)
+                    )
+                elif isinstance(new, LinearBase):
+                    # Built by a fuser, which owns its style.
+                    self.report.linears.append(
+                        LinearReport(qualname, type(new).__name__, style_of(new), True)
                     )
                 elif type(new) is nn.Embedding and new.num_embeddings == vocab_size:
                     new = VocabParallelEmbedding(

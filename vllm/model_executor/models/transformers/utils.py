@@ -112,10 +112,11 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register_parameter
 
 
-def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Allocate the parameters still on `meta` (those no vLLM layer replaced)."""
+def materialize(module: nn.Module, dtype: torch.dtype) -> None:
+    """Allocate the parameters still on `meta` (those no vLLM layer replaced) on the
+    default device, which vLLM sets to the target device while it builds a model."""
     for submodule in module.modules():
         for name, param in list(submodule.named_parameters(recurse=False)):
             if param.device.type == "meta":
-                data = torch.empty(param.shape, dtype=dtype, device=device)
+                data = torch.empty(param.shape, dtype=dtype)
                 setattr(submodule, name, nn.Parameter(data, requires_grad=False))

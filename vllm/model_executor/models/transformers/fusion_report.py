@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The fusion report: what the backend did with a model, and what it declined.
+
+The backend fills a `FusionReport` while it builds (`Base.__init__`) and logs its
+short form; `python -m vllm.model_executor.models.transformers.report MODEL` (`report.py`) builds the
+same backend on the `meta` device and prints the whole report. One code path, so the
+command and the engine never disagree."""
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+from vllm.model_executor.models.transformers.fusers.base import (
+    DECLINED,
+    Declined,
+    StackedFuser,
+)
+
+_ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(
+    "fusion_report", default=None
+)
+
+
+@dataclass
+class ClassReport:
+    """The fusers found for one module class, and what became of them."""
+
+    matched: list[str] = field(default_factory=list)
+    applied: dict[str, int] = field(default_factory=dict)
+    """Fuser -> number of instances it was applied to."""
+    instances: int = 0
+    declined: list[Declined] = field(default_factory=list)
+
+
+@dataclass
+class AttentionReport:
+    layer_index: int
+    module: str
+    module_class: str
+    scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    mla: bool
+
+
+@dataclass
+class LinearReport:
+    module: str
+    layer_class: str
+    style: str
+    planned: bool
+    """Whether the style came from a fuser or the model's TP plan (not a fallback)."""
+
+
+@dataclass
+class FusionReport:
+    """Everything the backend decided about one model, collected as it builds."""
+
+    model: str = ""
+    num_layers: int = 0
+    classes: dict[str, ClassReport] = field(default_factory=dict)
+    attention: list[AttentionReport] = field(default_factory=list)
+    linears: list[LinearReport] = field(default_factory=list)
+    fused_projections: int = 0
+    """Original linears now computed inside a merged linear."""
+    norms_fused: int = 0
+    servable: bool = True
+    reason: str | None = None
+
+    def record_module(self, module_class: str, matched: list[str], applied: list[str]) -> None:
+        report = self.classes.setdefault(module_class, ClassReport(matched=matched))
+        report.instances += 1
+        for fuser in applied:
+            report.applied[fuser] = report.applied.get(fuser, 0) + 1
+
+    def record_fusion(self, fuser: object) -> None:
+        if isinstance(fuser, StackedFuser):
+            self.fused_projections += len(fuser.shards)
+        elif type(fuser).__name__ == "RMSNormFuser":
+            self.norms_fused += 1
+
+    def finish(self) -> None:
+        """Attach the fusions declined for the classes this model has."""
+        for declined in DECLINED:
+            report = self.classes.get(declined.module_class)
+            if report is not None and declined not in report.declined:
+                report.declined.append(declined)
+
+    def fail(self, reason: str) -> None:
+        self.servable, self.reason = False, reason
+
+    @property
+    def linears_total(self) -> int:
+        unfused = sum(
+            1
+            for linear in self.linears
+            if linear.layer_class not in ("QKVParallelLinear", "MergedColumnParallelLinear")
+        )
+        return unfused + self.fused_projections
+
+    def short(self) -> str:
+        """One line: the verdict and how much is fused (what the engine logs)."""
+        verdict = "servable" if self.servable else f"NOT servable: {self.reason}"
+        return (
+            f"Fusion report for {self.model}: {verdict}; vLLM attention in "
+            f"{len(self.attention)}/{self.num_layers} layers"
+            f"{' (MLA)' if any(a.mla for a in self.attention) else ''}; "
+            f"{self.fused_projections}/{self.linears_total} projections fused; "
+            f"{self.norms_fused} RMSNorms on vLLM's kernel; "
+            f"{sum(not linear.planned for linear in self.linears)} linears replicated "
+            "for lack of a tensor-parallel plan"
+        )
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["short"] = self.short()
+        return data
+
+
+@contextmanager
+def collect(model: str = "") -> Iterator[FusionReport]:
+    """Make the backends built inside this block fill one report the caller keeps."""
+    report = FusionReport(model=model)
+    token = _ACTIVE.set(report)
+    try:
+        yield report
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> FusionReport:
+    """The report being collected, or a fresh one when nobody asked for it."""
+    return _ACTIVE.get() or FusionReport()
