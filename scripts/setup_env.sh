@@ -20,6 +20,10 @@ fi
 # `import transformers`; text models need none of them.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
+# One install at a time: concurrent runs would share setuptools' build folders.
+exec 9>"$VENV/.install.lock"
+flock 9
+
 # A regular install (not editable) so the `.pth` hook lands in site-packages; it is
 # re-run every time so the installed copy is always this checkout's.
 "$PY" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$ROOT" >/dev/null

@@ -18,21 +18,28 @@ class TransformersForCausalLM(CausalMixin):
     """A dense causal LM from Transformers."""
 
 
-class _NotYetSupported:
-    """A backend class vLLM's registry can ask for, which this backend lacks."""
+class NotYetSupported(CausalMixin):
+    """A backend class vLLM's registry can ask for, which this backend lacks yet.
+
+    It passes the registry's inspection as a causal LM, so that the user learns the
+    reason here, at construction, rather than a generic "not supported" from vLLM."""
 
     kind = ""
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{type(self).__name__}: {self.kind} are not supported by this "
-            "Transformers modeling backend yet. Set VLLM_TRANSFORMERS_BACKEND=stock "
-            "to serve this model with vLLM's stock Transformers backend instead."
+    @classmethod
+    def reason(cls) -> str:
+        return (
+            f"{cls.__name__}: {cls.kind} are not supported by this Transformers "
+            "modeling backend yet. Set VLLM_TRANSFORMERS_BACKEND=stock to serve this "
+            "model with vLLM's stock Transformers backend instead."
         )
 
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        raise NotImplementedError(self.reason())
 
-def _not_yet_supported(name: str, kind: str) -> type:
-    return type(name, (_NotYetSupported,), {"kind": kind, "__doc__": f"{kind}: not yet."})
+
+def _not_yet_supported(name: str, kind: str) -> type[NotYetSupported]:
+    return type(name, (NotYetSupported,), {"kind": kind, "__doc__": f"Not yet: {kind}."})
 
 
 TransformersMoEForCausalLM = _not_yet_supported(

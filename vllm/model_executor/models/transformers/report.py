@@ -99,7 +99,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         VllmConfig,
         set_current_vllm_config,
     )
-    from vllm.model_executor.models.transformers import TransformersForCausalLM
+    from vllm.model_executor.models import transformers as backend
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with fusion_report.collect(name) as report, tempfile.TemporaryDirectory() as folder:
@@ -128,10 +128,15 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
                 set_default_torch_dtype(model_config.dtype),
                 torch.device("meta"),
             ):
-                TransformersForCausalLM(vllm_config=vllm_config)
+                # The dense class analyses any model; a class this backend lacks
+                # yet (MoE, multimodal...) is the verdict, after the analysis.
+                backend.TransformersForCausalLM(vllm_config=vllm_config)
         except Exception as error:  # noqa: BLE001 - the report says why, whatever it was
             if report.servable:
                 report.fail(f"{type(error).__name__}: {error}")
+        served_class = getattr(backend, model_config._get_transformers_backend_cls())
+        if issubclass(served_class, backend.NotYetSupported) and report.servable:
+            report.fail(served_class.reason())
         if refused is not None:
             report.fail(refused if report.servable else f"{report.reason} ({refused})")
         report.model = name
