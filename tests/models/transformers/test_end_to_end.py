@@ -1,0 +1,207 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End to end on the CPU engine: the backend's output equals Transformers' own.
+
+Tiny float32 checkpoints are built locally (`tiny.py`). For each architecture, greedy
+tokens from `LLM(model_impl="transformers")` must equal Transformers' `generate`, and
+the log-probabilities vLLM reports for them must agree with Transformers' within
+`LOGPROB_ATOL`. Each engine runs in a fresh interpreter (no TP or env leaks between
+tests) and serves all prompts in one start; a run is shared by the tests that need it.
+
+`E2E_IMPL` picks what the per-architecture parity tests run, to validate the harness
+itself: `project` (default: this project's backend), `stock` (vLLM's own copy of the
+subpackage) or `native` (`model_impl="vllm"`).
+
+The tests without the `engine` mark only check the references themselves (no engine):
+that greedy choices are well separated, and that the features each tiny model is meant
+to exercise (sliding window, soft-capping, the Gemma2 scale) change its output.
+"""
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "opt", "phi3", "gpt_neox"]
+
+LOGPROB_ATOL = 5e-5
+"""float32: two correct implementations differ by ~1e-5 on these models (Transformers
+float32 against float64 already does); a wrong scale, window or cap moves them by 1e-2+."""
+
+IMPLS = {
+    "project": dict(model_impl="transformers", backend="project"),
+    "stock": dict(model_impl="transformers", backend="stock"),
+    "native": dict(model_impl="vllm", backend="project"),
+}
+E2E_IMPL = os.environ.get("E2E_IMPL", "project")
+if E2E_IMPL not in IMPLS:
+    raise ValueError(f"E2E_IMPL must be one of {sorted(IMPLS)}, got {E2E_IMPL!r}")
+
+
+@functools.cache
+def checkpoint(model_type: str) -> Path:
+    return tiny.build(model_type)
+
+
+@functools.cache
+def reference(model_type: str) -> tuple[tiny.Completion, ...]:
+    return tuple(tiny.reference(checkpoint(model_type)))
+
+
+@functools.cache
+def engine(model_type: str, impl: str, tensor_parallel_size: int = 1) -> tiny.EngineRun:
+    """One engine start per (model, implementation, TP), shared by the tests."""
+    return tiny.run_engine(
+        checkpoint(model_type),
+        tensor_parallel_size=tensor_parallel_size,
+        probe=True,
+        **IMPLS[impl],
+    )
+
+
+def compare(
+    expected: tuple[tiny.Completion, ...] | list[tiny.Completion],
+    actual: list[tiny.Completion],
+    atol: float = LOGPROB_ATOL,
+) -> float:
+    """Assert equal greedy tokens and close logprobs; return the largest logprob gap."""
+    assert len(actual) == len(expected)
+    worst = 0.0
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        assert got.prompt_ids == want.prompt_ids
+        first_diff = next(
+            (t for t, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
+            None,
+        )
+        assert got.token_ids == want.token_ids, (
+            f"prompt {i}: greedy tokens differ from step {first_diff}:\n"
+            f"  expected {want.token_ids}\n  got      {got.token_ids}"
+        )
+        gaps = [abs(a - b) for a, b in zip(want.logprobs, got.logprobs)]
+        worst = max(worst, *gaps)
+        step = max(range(len(gaps)), key=gaps.__getitem__)
+        assert gaps[step] <= atol, (
+            f"prompt {i}: logprob of token {step} differs by {gaps[step]:.3g} "
+            f"(expected {want.logprobs[step]:.6f}, got {got.logprobs[step]:.6f}; "
+            f"tolerance {atol:g})"
+        )
+    return worst
+
+
+def report(what: str, run: tiny.EngineRun, gap: float) -> None:
+    print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
+
+
+# --- the references themselves (no engine) ---------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_reference_is_well_separated(model_type):
+    """Greedy choices must not hinge on float32 noise."""
+    completions = reference(model_type)
+    margin = min(min(c.margins) for c in completions)
+    assert margin >= tiny.MIN_MARGIN, f"{model_type}: top-1/top-2 margin {margin:.3g}"
+    for c in completions:
+        assert len(c.token_ids) == tiny.MAX_TOKENS
+        assert all(lp < 0 for lp in c.logprobs)
+
+
+def _changes_output(model_type: str, **config_changes) -> bool:
+    changed = tiny.reference(checkpoint(model_type), **config_changes)
+    base = reference(model_type)
+    if any(a.token_ids != b.token_ids for a, b in zip(base, changed)):
+        return True
+    gap = max(abs(x - y) for a, b in zip(base, changed) for x, y in zip(a.logprobs, b.logprobs))
+    return gap > 100 * LOGPROB_ATOL
+
+
+@pytest.mark.parametrize(
+    "model_type, change",
+    [
+        ("mistral", dict(sliding_window=tiny.MAX_MODEL_LEN)),
+        ("gemma2", dict(sliding_window=tiny.MAX_MODEL_LEN)),
+        ("gemma2", dict(attn_logit_softcapping=None)),
+        ("gemma2", dict(final_logit_softcapping=None)),
+        ("gemma2", dict(query_pre_attn_scalar=32)),  # = head_dim: the default scale
+    ],
+    ids=["mistral-window", "gemma2-window", "gemma2-attn-cap", "gemma2-final-cap", "gemma2-scale"],
+)
+def test_feature_changes_output(model_type, change):
+    """The tiny models exercise what they are meant to: without the feature, the
+    reference output moves far beyond the tolerance."""
+    assert _changes_output(model_type, **change)
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_matches_transformers(model_type):
+    """Greedy tokens equal Transformers' `generate`; logprobs agree."""
+    run = engine(model_type, E2E_IMPL)
+    gap = compare(reference(model_type), run.completions)
+    report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
+
+
+@pytest.mark.engine
+def test_transformers_backend_equals_native():
+    """`model_impl="transformers"` equals `model_impl="vllm"` (Llama)."""
+    ours, native = engine("llama", "project"), engine("llama", "native")
+    gap = compare(native.completions, ours.completions, atol=2 * LOGPROB_ATOL)
+    report("llama: transformers backend vs native", ours, gap)
+    assert native.probe[0]["model_class"] == "LlamaForCausalLM"
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_tensor_parallel_equals_single(model_type):
+    """TP=2 (one core per rank) equals TP=1 and Transformers. Phi3 also splits a
+    packed q/k/v with grouped KV heads across the ranks."""
+    tp1, tp2 = engine(model_type, "project"), engine(model_type, "project", 2)
+    assert len(tp2.probe) == 2 and len({w["pid"] for w in tp2.probe}) == 2
+    gap = compare(tp1.completions, tp2.completions, atol=2 * LOGPROB_ATOL)
+    compare(reference(model_type), tp2.completions)
+    report(f"{model_type}: TP=2 vs TP=1", tp2, gap)
+
+
+def _is_ours(worker: dict) -> bool:
+    project = Path(worker["project_dir"]).resolve()
+    return Path(worker["model_file"]).resolve().is_relative_to(project)
+
+
+@pytest.mark.engine
+def test_overlay_active_in_workers():
+    """The model that ran inside each worker process is this project's backend class,
+    with vLLM attention attached to every decoder layer's attention module."""
+    for run in (engine("llama", "project"), engine("llama", "project", 2)):
+        for worker in run.probe:
+            assert worker["overlay_requested"] == "project"
+            assert worker["overlay_active"] == "project", worker
+            assert _is_ours(worker), (
+                f"worker {worker['pid']} ran {worker['model_class']} from "
+                f"{worker['model_file']}, not from {worker['project_dir']}"
+            )
+            layers = sorted(a["layer_name"] for a in worker["attached"])
+            assert layers == [f"model.layers.{i}.self_attn.attn" for i in range(4)], layers
+            head_dim = 128 // 4
+            assert all(abs(a["scale"] - head_dim**-0.5) < 1e-7 for a in worker["attached"])
+
+
+@pytest.mark.engine
+def test_stock_switch():
+    """`VLLM_TRANSFORMERS_BACKEND=stock` runs vLLM's own subpackage in the workers
+    (which also matches Transformers here)."""
+    run = engine("llama", "stock")
+    (worker,) = run.probe
+    assert worker["overlay_requested"] == "stock"
+    assert worker["overlay_active"] == "stock"
+    assert not _is_ours(worker), worker["model_file"]
+    assert "/vllm/model_executor/models/transformers/" in worker["model_file"]
+    gap = compare(reference("llama"), run.completions)
+    report("llama (stock) vs Transformers", run, gap)

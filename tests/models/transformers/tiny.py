@@ -1,0 +1,715 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tiny local checkpoints, their Transformers reference, and a vLLM engine runner.
+
+Shared by the end-to-end tests, the demo and the benchmarks. There is no network and
+no model hub here, so every model is built from `AutoConfig.for_model(model_type,
+**overrides)` with seeded random weights and a word-level tokenizer, and saved (float32
+safetensors) under `<repo>/.cache/tiny-models/<model_type>/`. A folder is rebuilt when
+its recipe changes (a fingerprint is kept beside it).
+
+Random tiny models have near-uniform logits, which would let float32 noise flip a greedy
+choice. Weights are drawn with a large `initializer_range`, and every 1-D parameter
+(norm weights, biases) is perturbed so that biases and norm weights actually matter;
+`reference()` reports the smallest top-1/top-2 logit margin met along each greedy path
+so tests can check it is comfortable.
+
+Engines run in a fresh interpreter (`run_engine()`), so tensor-parallel settings and
+`VLLM_TRANSFORMERS_BACKEND` never leak between tests; one start serves several prompts.
+
+Command line (the engine runner uses the second form):
+    python tiny.py build [MODEL_TYPE ...]      build (or reuse) and print the folders
+    python tiny.py engine SPEC.json OUT.json   run one engine, write its outputs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+CACHE = Path(os.environ.get("TINY_MODELS_CACHE", REPO / ".cache" / "tiny-models"))
+PYTHON = sys.executable
+
+SEED = 0
+RECIPE_VERSION = 3
+"""Bump to rebuild every cached folder after changing how models are made."""
+
+# --- tokenizer ---------------------------------------------------------------------
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+
+WORDS = """
+the a an one two three four five six seven eight nine ten red green blue yellow black
+white small big old new good bad fast slow hot cold cat dog bird fish horse cow sheep
+mouse lion tiger bear wolf fox tree flower grass river lake sea sky sun moon star rain
+snow wind cloud house door window table chair bed book pen paper cup plate bread milk
+water tea apple orange banana city road car bus train boat plane man woman child friend
+king queen is was are were has had can will runs walks sees eats likes makes goes comes
+and or but with without in on under over near far here there today tomorrow yesterday
+very not all some many few
+""".split()
+VOCAB = SPECIAL_TOKENS + WORDS
+VOCAB_SIZE = len(VOCAB)
+assert len(set(VOCAB)) == VOCAB_SIZE, "duplicate words in the tiny vocabulary"
+
+PROMPTS = [
+    "the small cat sees a big dog near the river",
+    "one two three four five",
+    "today the king and the queen walks near the old city with many friend",
+    "rain",
+]
+"""Prompts of different lengths (the longest plus the generation exceeds the sliding
+windows below), written in the tiny vocabulary."""
+
+MAX_TOKENS = 16
+"""Greedy tokens generated per prompt."""
+
+MAX_MODEL_LEN = 128
+
+
+# --- architectures ------------------------------------------------------------------
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,  # head_dim 32: the CPU attention's smallest
+    num_key_value_heads=2,  # GQA
+    max_position_embeddings=MAX_MODEL_LEN,
+    tie_word_embeddings=False,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+SLIDING_WINDOW = 8
+"""Shorter than every prompt but one plus `MAX_TOKENS`: the window changes the output."""
+
+ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": dict(sliding_window=SLIDING_WINDOW),
+    # Qwen2 has a bias on q/k/v (perturbed away from zero, see `Init`).
+    "qwen2": {},
+    # Qwen3 normalises q and k per head; head_dim is explicit.
+    "qwen3": dict(head_dim=32),
+    # Gemma2: alternating sliding/full layers, attention and final logit soft-capping,
+    # a softmax scale from `query_pre_attn_scalar` (48**-0.5, not head_dim**-0.5),
+    # tied embeddings.
+    "gemma2": dict(
+        head_dim=32,
+        sliding_window=SLIDING_WINDOW,
+        query_pre_attn_scalar=48,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=12.0,
+        tie_word_embeddings=True,
+    ),
+    # OPT: learned positions, LayerNorm, biases; scales q itself and passes scaling=1.0.
+    "opt": dict(
+        ffn_dim=256,
+        word_embed_proj_dim=128,
+        num_key_value_heads=None,
+        intermediate_size=None,
+        tie_word_embeddings=True,
+    ),
+    # Phi3 packs q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj`.
+    "phi3": dict(original_max_position_embeddings=MAX_MODEL_LEN),
+    # GPT-NeoX: packed `query_key_value`, partial rotary, parallel residual, no GQA.
+    "gpt_neox": dict(
+        num_key_value_heads=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        use_parallel_residual=True,
+    ),
+}
+"""`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a tiny model's random weights are drawn.
+
+    The body is kept well conditioned (hidden states of order 10, not 100s: float32
+    error grows with them) and the logits are sharpened at the very end instead."""
+
+    std: float = 0.1
+    """`initializer_range` (OPT: `init_std`) for matrices and embeddings."""
+    perturb: float = 0.1
+    """Std of noise added to every 1-D parameter, so norm weights and biases matter."""
+    embed_scale: float = 1.0
+    """Multiplies the input embeddings after init."""
+    head_scale: float = 2.0
+    """Multiplies the logits: the untied `lm_head`, or the `final_norm` if tied."""
+    final_norm: str | None = None
+    """The final LayerNorm (weight and bias scaled) of a model with tied embeddings."""
+
+
+INITS: dict[str, Init] = {
+    # Tied embeddings, which at full size swamp the residual stream, so the model only
+    # repeats its input. Gemma2 also scales them by sqrt(hidden); its final norm is
+    # (1 + w), so its logits are left as they come.
+    "gemma2": Init(std=0.4, perturb=1.0, embed_scale=0.2, head_scale=1.0),
+    "opt": Init(std=0.2, embed_scale=0.25, head_scale=6.0, final_norm="model.decoder.final_layer_norm"),
+}
+
+MIN_MARGIN = 0.02
+"""Smallest top-1/top-2 logit gap accepted on the greedy paths of `PROMPTS`: some 1000x
+the float32 differences between two correct implementations (~1e-5)."""
+MAX_SEED_TRIES = 64
+
+
+def overrides(model_type: str) -> dict[str, Any]:
+    """The config keyword arguments for `model_type`'s tiny model."""
+    if model_type not in ARCHS:
+        raise KeyError(f"no tiny recipe for {model_type!r}; known: {sorted(ARCHS)}")
+    merged = {**COMMON, **ARCHS[model_type]}
+    std = INITS.get(model_type, Init()).std
+    merged["init_std" if model_type == "opt" else "initializer_range"] = std
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def fingerprint(model_type: str) -> str:
+    recipe = dict(
+        version=RECIPE_VERSION,
+        seed=SEED,
+        model_type=model_type,
+        overrides=overrides(model_type),
+        init=asdict(INITS.get(model_type, Init())),
+        vocab=VOCAB,
+        prompts=PROMPTS,
+        max_tokens=MAX_TOKENS,
+        min_margin=MIN_MARGIN,
+    )
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make_tokenizer():
+    """A word-level fast tokenizer over `VOCAB` that prepends `<s>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    # WordPiece's decoder joins words with spaces (no "##" continuation in this vocab),
+    # which also makes vLLM's incremental detokenizer put the spaces back.
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        model_max_length=MAX_MODEL_LEN,
+    )
+
+
+def _random_model(model_type: str, seed: int):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    init = INITS.get(model_type, Init())
+    config = AutoConfig.for_model(model_type, **overrides(model_type))
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * init.perturb)
+        embeddings = model.get_input_embeddings().weight
+        embeddings.mul_(init.embed_scale)
+        head = model.get_output_embeddings().weight
+        if head is not embeddings:
+            head.mul_(init.head_scale)
+        elif init.final_norm is not None:
+            for param in model.get_submodule(init.final_norm).parameters():
+                param.mul_(init.head_scale)
+        elif init.head_scale != 1.0:
+            raise ValueError(f"{model_type}: tied embeddings, so `head_scale` needs `final_norm`")
+    # Never stop early: no eos for generation (vLLM is run with `ignore_eos`).
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=BOS_ID,
+        pad_token_id=PAD_ID,
+        eos_token_id=None,
+        max_new_tokens=MAX_TOKENS,
+    )
+    return model.eval()
+
+
+def build(model_type: str, *, force: bool = False) -> Path:
+    """Build (or reuse) the tiny checkpoint folder for `model_type`; returns it.
+
+    Seeds are tried from `SEED` until the greedy paths of `PROMPTS` keep every top-1/
+    top-2 logit gap above `MIN_MARGIN`; the seed and the margin are kept in `tiny.json`."""
+    target = CACHE / model_type
+    stamp = target / "tiny.json"
+    want = fingerprint(model_type)
+    if not force and stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()).get("fingerprint") == want:
+                return target
+        except (OSError, ValueError):
+            pass
+
+    prompt_ids = encode(None, PROMPTS)
+    best = (float("-inf"), None)
+    for seed in range(SEED, SEED + MAX_SEED_TRIES):
+        model = _random_model(model_type, seed)
+        margin = min(min(c.margins) for c in greedy(model, prompt_ids, MAX_TOKENS))
+        best = max(best, (margin, seed), key=lambda b: b[0])
+        if margin >= MIN_MARGIN:
+            break
+    else:
+        raise RuntimeError(
+            f"no seed in {SEED}..{SEED + MAX_SEED_TRIES - 1} gives {model_type} a greedy "
+            f"margin of {MIN_MARGIN} (best {best[0]:.4g} with seed {best[1]})"
+        )
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{model_type}-", dir=CACHE))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        make_tokenizer().save_pretrained(staging)
+        (staging / "tiny.json").write_text(
+            json.dumps(
+                dict(
+                    fingerprint=want,
+                    model_type=model_type,
+                    seed=seed,
+                    min_margin=margin,
+                    init=asdict(INITS.get(model_type, Init())),
+                    overrides=overrides(model_type),
+                ),
+                indent=2,
+            )
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def load_tokenizer(path: Path | str):
+    """The checkpoint's tokenizer as saved.
+
+    Not `AutoTokenizer`: for a few model types (qwen2 among them) Transformers 5 swaps
+    in the architecture's own tokenizer class, which rebuilds a byte-level pipeline
+    over our word-level vocabulary. vLLM loads it through `AutoTokenizer`, so its
+    *text* is wrong for those types; tests pass token ids and compare ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def encode(path: Path | str | None, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    """Prompt token ids as the tiny tokenizer makes them (`<s>` first)."""
+    tokenizer = make_tokenizer() if path is None else load_tokenizer(path)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    for prompt, row in zip(prompts, ids):
+        assert UNK_ID not in row, f"prompt {prompt!r} has words outside the tiny vocabulary"
+        assert row[0] == BOS_ID, "the tiny tokenizer did not prepend <s>"
+    return ids
+
+
+# --- Transformers reference -----------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """Greedy continuation of one prompt."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-probability of each chosen token (from raw logits, float32)."""
+    margins: list[float] = field(default_factory=list)
+    """Top-1 minus top-2 logit at each step (reference only)."""
+    text: str = ""
+
+
+def greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[Completion]:
+    """Transformers' greedy `generate`, one prompt at a time (no padding)."""
+    import torch
+
+    completions = []
+    for ids in prompt_ids:
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_ID,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        token_ids = out.sequences[0, len(ids) :].tolist()
+        assert len(token_ids) == max_tokens, "Transformers stopped early"
+        logprobs, margins = [], []
+        for token, logits in zip(token_ids, out.logits):
+            logits = logits[0].float()
+            assert int(torch.argmax(logits)) == token
+            logprobs.append(torch.log_softmax(logits, dim=-1)[token].item())
+            top2 = torch.topk(logits, 2).values
+            margins.append((top2[0] - top2[1]).item())
+        completions.append(
+            Completion(prompt_ids=list(ids), token_ids=token_ids, logprobs=logprobs, margins=margins)
+        )
+    return completions
+
+
+def reference(
+    path: Path | str,
+    prompts: list[str] = PROMPTS,
+    max_tokens: int = MAX_TOKENS,
+    **config_changes: Any,
+) -> list[Completion]:
+    """Transformers' greedy `generate` in float32 with eager attention.
+
+    `config_changes` edit the checkpoint's config first (e.g. `sliding_window=None`,
+    to show that a feature changes the output)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", **config_changes
+    ).eval()
+    completions = greedy(model, encode(path, prompts), max_tokens)
+    for c in completions:
+        c.text = continuation_text(tokenizer, c.prompt_ids, c.token_ids)
+    return completions
+
+
+def continuation_text(tokenizer, prompt_ids: list[int], token_ids: list[int]) -> str:
+    """The text the continuation adds to the prompt's text, the way vLLM's incremental
+    detokenizer reports it (so with the space that separates it from the prompt)."""
+    prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full = tokenizer.decode(prompt_ids + token_ids, skip_special_tokens=True)
+    assert full.startswith(prompt), (prompt, full)
+    return full[len(prompt) :]
+
+
+# --- vLLM engine, in a fresh interpreter ------------------------------------------------
+
+
+@dataclass
+class EngineRun:
+    """What one engine start produced."""
+
+    completions: list[Completion]
+    probe: list[dict[str, Any]] | None
+    """Per worker: what `_probe` saw inside the worker process (when asked)."""
+    seconds: float
+    log: str
+
+
+def run_engine(
+    path: Path | str,
+    prompts: list[str] = PROMPTS,
+    *,
+    model_impl: str = "transformers",
+    backend: str = "project",
+    tensor_parallel_size: int = 1,
+    max_tokens: int = MAX_TOKENS,
+    probe: bool = False,
+    llm_kwargs: dict[str, Any] | None = None,
+    timeout: float = 600,
+) -> EngineRun:
+    """Start `vllm.LLM` in a subprocess, generate greedily with logprobs, return it.
+
+    `backend` sets `VLLM_TRANSFORMERS_BACKEND` (`"project"` or `"stock"`); with
+    `tensor_parallel_size=2` each worker is bound to its own core. `probe` also runs
+    `_probe` on the model inside each worker (`LLM.apply_model`)."""
+    spec = dict(
+        model=str(path),
+        prompt_token_ids=encode(path, prompts),
+        model_impl=model_impl,
+        tensor_parallel_size=tensor_parallel_size,
+        max_tokens=max_tokens,
+        probe=probe,
+        llm_kwargs=llm_kwargs or {},
+    )
+    env = dict(os.environ)
+    env["VLLM_TRANSFORMERS_BACKEND"] = backend
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel_size))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env.pop("PYTEST_CURRENT_TEST", None)
+    with tempfile.TemporaryDirectory(prefix="tiny-engine-") as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_file.write_text(json.dumps(spec))
+        start = time.monotonic()
+        process = subprocess.Popen(
+            [PYTHON, __file__, "engine", str(spec_file), str(out_file)],
+            env=env,
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            log, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(process, grace=5)
+            log, _ = process.communicate()
+            raise RuntimeError(f"engine did not finish in {timeout:.0f} s:\n{_tail(log)}") from None
+        finally:
+            stop(process, grace=5)  # and whatever it left behind in its session
+        seconds = time.monotonic() - start
+        if process.returncode != 0 or not out_file.is_file():
+            raise RuntimeError(f"engine exited with {process.returncode}:\n{_tail(log)}")
+        out = json.loads(out_file.read_text())
+    return EngineRun(
+        completions=[Completion(**c) for c in out["completions"]],
+        probe=out["probe"],
+        seconds=seconds,
+        log=log,
+    )
+
+
+def _tail(text: str | bytes | None, lines: int = 80) -> str:
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return "\n".join((text or "").splitlines()[-lines:])
+
+
+def _probe(model) -> dict[str, Any]:
+    """Runs inside a vLLM worker on the model: where its code came from, and what the
+    backend attached."""
+    import inspect
+    import os
+    import sys
+
+    import vllm_transformers_overlay as overlay
+
+    package = sys.modules.get("vllm.model_executor.models.transformers")
+    attached = []
+    for name, module in model.named_modules():
+        attn = getattr(module, "attn", None)
+        if attn is not None and type(attn).__name__ in ("Attention", "MLAAttention"):
+            impl = getattr(attn, "impl", None)
+            attached.append(
+                dict(
+                    module=name,
+                    module_class=type(module).__name__,
+                    layer_name=getattr(attn, "layer_name", None),
+                    scale=getattr(impl, "scale", None),
+                    sliding_window=getattr(impl, "sliding_window", None),
+                    logits_soft_cap=getattr(impl, "logits_soft_cap", None),
+                )
+            )
+    return dict(
+        pid=os.getpid(),
+        model_class=type(model).__qualname__,
+        model_file=inspect.getfile(type(model)),
+        package_file=getattr(package, "__file__", None),
+        overlay_active=overlay.active(),
+        overlay_requested=overlay.requested(),
+        project_dir=str(overlay.project_dir()),
+        attached=attached,
+    )
+
+
+def _engine_main(spec_file: str, out_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=spec["model"],
+        model_impl=spec["model_impl"],
+        tensor_parallel_size=spec["tensor_parallel_size"],
+        dtype="float32",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True,
+    )
+    kwargs.update(spec["llm_kwargs"])
+    llm = LLM(**kwargs)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=1
+    )
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_token_ids"]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    completions = []
+    for ids, output in zip(spec["prompt_token_ids"], outputs):
+        sample = output.outputs[0]
+        token_ids = list(sample.token_ids)
+        logprobs = [step[t].logprob for t, step in zip(token_ids, sample.logprobs)]
+        completions.append(
+            asdict(Completion(prompt_ids=ids, token_ids=token_ids, logprobs=logprobs, text=sample.text))
+        )
+    # Shipped by reference: `tiny` (not `__main__`) is importable in every process
+    # the engine starts (PYTHONPATH, set by `run_engine`).
+    import tiny
+
+    probe = llm.apply_model(tiny._probe) if spec["probe"] else None
+    Path(out_file).write_text(json.dumps(dict(completions=completions, probe=probe)))
+    del llm
+
+
+# --- OpenAI server -----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running OpenAI-compatible server (see `serve`)."""
+
+    base_url: str
+    model: str
+    process: subprocess.Popen
+    log_file: Path
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+
+def server_command(path: Path | str, port: int, *, model_impl: str = "transformers") -> list[str]:
+    """The OpenAI server on 127.0.0.1 for a tiny checkpoint.
+
+    `python -m vllm.entrypoints.openai.api_server`, not the `vllm` console script,
+    which dies at start in `vllm-cpu` 0.32.0 (its distribution is named `vllm-cpu`)."""
+    return [
+        PYTHON, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(path),
+        "--model-impl", model_impl,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--dtype", "float32",
+        "--seed", "0",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(1 << 30),
+        "--enforce-eager",
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serve(
+    path: Path | str,
+    *,
+    model_impl: str = "transformers",
+    backend: str = "project",
+    ready_timeout: float = 300,
+    log_dir: Path | str | None = None,
+    extra_env: dict[str, str] | None = None,
+):
+    """Start the server, wait (bounded) until `/health` answers, yield a `Server`, and
+    always stop it (SIGTERM to its process group, then SIGKILL)."""
+    port = free_port()
+    env = dict(os.environ)
+    env["VLLM_TRANSFORMERS_BACKEND"] = backend
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.update(extra_env or {})
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tiny-server-"))
+    log_file = log_dir / "server.log"
+    with open(log_file, "w") as log:
+        process = subprocess.Popen(
+            server_command(path, port, model_impl=model_impl),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    server = Server(f"http://127.0.0.1:{port}/v1", str(path), process, log_file)
+    try:
+        _wait_ready(server, port, ready_timeout)
+        yield server
+    finally:
+        stop(process)
+
+
+def _wait_ready(server: Server, port: int, timeout: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.process.returncode} before it was ready:\n"
+                f"{_tail(server.log())}"
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{_tail(server.log())}")
+
+
+def stop(process: subprocess.Popen, grace: float = 30) -> None:
+    """Stop `process` and everything in its session (it was started in a new one)."""
+    import signal
+
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    # Engine processes can outlive the server's main process: clear the whole group.
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["engine"]:
+        _engine_main(*argv[1:3])
+    elif argv[:1] == ["build"]:
+        for model_type in argv[1:] or list(ARCHS):
+            print(build(model_type))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
