@@ -8,13 +8,28 @@ from vllm.model_executor.models.transformers.fusers.base import (
     RewriteFuser,
     StackedFuser,
 )
+from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
+from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
+from vllm.model_executor.models.transformers.fusers.qkv import QKVFuser
+from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
 
-FUSER_CLASSES: tuple[type[BaseFuser], ...] = (AttentionFuser,)
+# Rewriters first: at most one of them redefines a class's forward.
+FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
+    QKVFuser,
+    PackedQKVFuser,
+    GLUFuser,
+    RMSNormFuser,
+    AttentionFuser,
+)
 
 __all__ = [
     "FUSER_CLASSES",
     "AttentionFuser",
     "BaseFuser",
+    "GLUFuser",
+    "PackedQKVFuser",
+    "QKVFuser",
+    "RMSNormFuser",
     "RewriteFuser",
     "StackedFuser",
 ]

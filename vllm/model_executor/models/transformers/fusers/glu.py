@@ -1,0 +1,207 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Gated linear units: gate and up projections, stacked, with vLLM's act-and-mul."""
+
+import ast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import (
+    FusionDeclined,
+    StackedFuser,
+)
+from vllm.model_executor.models.transformers.fusers.qkv import called_once, row_parallel
+from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def _activation(node: fx.Node, module: nn.Module) -> str | None:
+    """vLLM's act-and-mul name for the activation `node` applies, from what it computes
+    (`F.silu`, `F.gelu`), whether it is a function call or a child module."""
+    if (child := fx_utils.submodule(node, module)) is not None:
+        traced = fx_utils.trace(child)
+        calls = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
+        if not traced.complete or len(calls) != 1:
+            return None
+        node = calls[0]
+    if node.op != "call_function":
+        return None
+    if node.target is F.silu:
+        return "silu"
+    if node.target is F.gelu:
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_pytorch_tanh"}.get(approximate)
+    return None
+
+
+def _describe(node: fx.Node) -> str:
+    return node.target if node.op == "call_module" else fx_utils.op_name(node) or node.name
+
+
+@dataclass
+class GLUFuser(StackedFuser):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` -> `down_proj(act_and_mul(gate_up_proj(x)))`
+    with `gate_up_proj` a `MergedColumnParallelLinear`, `act_and_mul` vLLM's fused
+    activation (`SiluAndMul`, `GeluAndMul`) and `down_proj` a `RowParallelLinear`.
+
+    The gate is the projection the activation is applied to, found from dataflow; the
+    activation from what it computes, so `ACT2FN[...]` modules and `F.silu(...)`
+    calls alike. One vLLM has no fused act-and-mul for is declined."""
+
+    activation: str = ""
+    """vLLM's name for it, as `get_act_and_mul_fn` takes it."""
+    activation_name: str = ""
+    """The attribute holding the fused act-and-mul: the HF activation module's own
+    name when it is replaced whole, else a new one."""
+    down_name: str = ""
+    spans: dict[str, Span] | None = None
+    """Spans of the product, the activation and the gate and up calls."""
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
+        if graph is None:
+            return None
+        for product in graph.nodes:
+            if fx_utils.op_name(product) != "mul" or len(product.all_input_nodes) != 2:
+                continue
+            for act, up in (product.args, product.args[::-1]):
+                gate = act.args[0] if isinstance(act, fx.Node) and act.args else None
+                if (
+                    fx_utils.is_linear(up, module)
+                    and fx_utils.is_linear(gate, module)
+                    and gate is not up
+                    and gate.args[0] is up.args[0]
+                ):
+                    return cls._gated(graph, module, product, act, gate, up)
+        return None
+
+    @classmethod
+    def _gated(
+        cls,
+        graph: fx.Graph,
+        module: nn.Module,
+        product: fx.Node,
+        act: fx.Node,
+        gate: fx.Node,
+        up: fx.Node,
+    ) -> Self | None:
+        """Check the gated product `act(gate(x)) * up(x)` found in `graph` fuses."""
+        names = [gate.target, up.target]
+        if reason := called_once(graph, names):
+            return cls.decline(module, reason)
+        activation = _activation(act, module)
+        if activation is None:
+            return cls.decline(
+                module, f"vLLM has no fused act-and-mul for the activation {_describe(act)}"
+            )
+        if any(len(n.users) != 1 for n in (gate, up, act)):
+            return cls.decline(module, "the gate, up or activation output is used elsewhere")
+        gate_mod, up_mod = module.get_submodule(gate.target), module.get_submodule(up.target)
+        if gate_mod.out_features != up_mod.out_features:
+            return cls.decline(module, f"{gate.target} and {up.target} differ in width")
+        if (gate_mod.bias is None) != (up_mod.bias is None):
+            return cls.decline(module, f"only one of {gate.target} and {up.target} has a bias")
+        down = fx_utils.linear_fed_by(product, module)
+        if down is None or "." in down.target:
+            return cls.decline(module, "no single direct child projects the gated product")
+        # The HF activation module is replaced by the act-and-mul when nothing else in
+        # the forward calls it.
+        reuse = act.op == "call_module" and "." not in act.target and sum(
+            n.op == "call_module" and n.target == act.target for n in graph.nodes
+        ) == 1
+        return cls(
+            fused_name=fx_utils.merged_name(names, module),
+            shards={gate.target: 0, up.target: 1},
+            activation=activation,
+            activation_name=act.target if reuse else fx_utils.fresh_attribute(module, "act_and_mul"),
+            down_name=down.target,
+            spans={
+                "product": product.meta.get("span"),
+                "act": act.meta.get("span"),
+                gate.target: gate.meta.get("span"),
+                up.target: up.meta.get("span"),
+            },
+        )
+
+    def update_forward(self, module: nn.Module) -> None:
+        rewrite = ForwardRewrite(type(module))
+        product = rewrite.expression_at(self.spans["product"])
+        if product is None:
+            raise FusionDeclined("the gated product is not computed in forward")
+        calls = [rewrite.self_call(self.spans[name], name) for name in self.shards]
+        for name in self.shards:
+            rewrite.expect_single_use(name)
+        x = calls[0].args[0]
+        if not isinstance(x, ast.Name) or ast.dump(calls[1].args[0]) != ast.dump(x):
+            raise FusionDeclined("gate and up are not applied to one local name")
+        if not rewrite.holds_one_value(x.id, [*calls, product]):
+            raise FusionDeclined(f"`{x.id}` changes between the projections and the product")
+        act = rewrite.expression_at(self.spans["act"])
+        # Parts computed before the product, as `gate = self.gate_proj(x)`, go with it.
+        pattern = [e for e in (act, *calls) if e is not None]
+        bindings = []
+        for part in pattern:
+            if not _inside(part, product):
+                binding = _single_use_binding(rewrite, part, [product, *pattern])
+                if not any(binding is b for b in bindings):
+                    bindings.append(binding)
+        for binding in bindings:
+            rewrite.remove(binding)
+        rewrite.replace(
+            product,
+            fx_utils.parse_expression(f"self.{self.activation_name}(self.{self.fused_name}({x.id}))"),
+        )
+        self.fused_forward = rewrite.compile()
+
+    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+        gate, up = (getattr(module, name) for name in self.shards)
+        merged = MergedColumnParallelLinear(
+            input_size=gate.in_features,
+            output_sizes=[gate.out_features, up.out_features],
+            bias=gate.bias is not None,
+            quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.{self.fused_name}",
+            return_bias=False,
+        )
+        for name in self.shards:
+            delattr(module, name)
+        setattr(module, self.fused_name, merged)
+        setattr(module, self.activation_name, get_act_and_mul_fn(self.activation))
+        row_parallel(module, self.down_name, prefix, vllm_config)
+
+    def info(self, name: str, module: nn.Module) -> str:
+        act = type(getattr(module, self.activation_name)).__name__
+        return f"{super().info(name, module)} + {act}; {self.down_name} -> RowParallelLinear"
+
+
+def _inside(node: ast.AST, outer: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(outer))
+
+
+def _single_use_binding(rewrite: ForwardRewrite, part: ast.expr, users: list[ast.AST]) -> ast.stmt:
+    """The statement `name = <part>` binding a part of the pattern to a name read
+    once, by another part of it; anything else keeps the part alive."""
+    statement = rewrite.statement(part)
+    target = statement.targets[0] if isinstance(statement, ast.Assign) else None
+    if (
+        not isinstance(target, ast.Name)
+        or len(statement.targets) != 1
+        or not any(statement.value is p for p in users)
+    ):
+        raise FusionDeclined(f"`{ast.unparse(statement).strip()}` keeps a part of the gated product")
+    reads = rewrite.loads(target.id)
+    if len(rewrite.stores(target.id)) != 1 or len(reads) != 1 or not any(_inside(reads[0], u) for u in users if u is not part):
+        raise FusionDeclined(f"`{target.id}` is read outside the gated product")
+    return statement

@@ -1,0 +1,238 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A query/key/value projection already packed in one linear, split after it."""
+
+import ast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
+
+import torch
+from torch import fx, nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import (
+    FusionDeclined,
+    RewriteFuser,
+)
+from vllm.model_executor.models.transformers.fusers.qkv import (
+    HEAD_SIZE_ATTRIBUTES,
+    NUM_HEADS_ATTRIBUTES,
+    HeadLayout,
+    attention_roles,
+    called_once,
+    heads_at,
+    holding,
+    output_projection,
+    resolve,
+    row_parallel,
+)
+from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+_KEEPS_LAST_DIM = ("unsqueeze", "contiguous")
+"""What may stand between the packed linear and its split: neither moves features
+across the last dimension."""
+
+
+def _last_dim(dim: object, tensor: torch.Tensor) -> bool:
+    return isinstance(dim, int) and dim in (-1, tensor.ndim - 1)
+
+
+def _slice_of_last_dim(index: object, tensor: torch.Tensor) -> slice | None:
+    """`s` for `x[..., s]` or `x[:, :, s]`, with `s` a step-free constant slice."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return None
+    leading, last = index[:-1], index[-1]
+    whole = slice(None)
+    if leading not in ((Ellipsis,), (whole,) * (tensor.ndim - 1)):
+        return None
+    if last.step is not None or not all(b is None or isinstance(b, int) for b in (last.start, last.stop)):
+        return None
+    return last
+
+
+def packed_parts(packed: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
+    """The parts `packed`'s output is split into along its last dimension, and the
+    nodes doing the split (one split/chunk, or one slice per part); or why the
+    packing cannot be proven."""
+    node = packed
+    while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(user) in _KEEPS_LAST_DIM:
+        dims = user.args[1:] or tuple(user.kwargs.values())
+        if user.target == "unsqueeze" and _last_dim(dims[0], fx_utils.value(user)):
+            break
+        node = user
+    tensor = fx_utils.value(node)
+    if not isinstance(tensor, torch.Tensor):
+        return "the shape of the packed output is unknown"
+    users = list(node.users)
+    if len(users) == 1 and fx_utils.op_name(users[0]) in ("split", "chunk"):
+        (split,) = users
+        dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None)
+        pieces = fx_utils.value(split)
+        parts = sorted(split.users, key=lambda n: str(n.args[1:]))
+        if not _last_dim(dim, tensor) or not isinstance(pieces, tuple) or len(pieces) != 3:
+            return f"{split.target} is not into three along the last dimension"
+        if [(fx_utils.op_name(p), p.args[1]) for p in parts] != [("getitem", i) for i in range(3)]:
+            return "the split is not taken apart into its three parts"
+        return parts, [split]
+    slices = [_slice_of_last_dim(u.args[1], tensor) if fx_utils.op_name(u) == "getitem" else None for u in users]
+    if len(users) == 3 and all(s is not None for s in slices):
+        ordered = sorted(zip(users, slices), key=lambda pair: pair[1].start or 0)
+        bounds = [s.start or 0 for _, s in ordered] + [ordered[-1][1].stop]
+        if bounds[-1] not in (None, tensor.shape[-1]) or any(
+            s.stop != start for (_, s), start in zip(ordered, bounds[1:-1])
+        ):
+            return "the three slices do not cover the packed output once, in order"
+        parts = [u for u, _ in ordered]
+        return parts, parts
+    ops = ", ".join(sorted({str(fx_utils.op_name(u)) for u in users}))
+    return (
+        f"the packed output goes through {ops} before it is taken apart (for instance "
+        "interleaved per head), so which features are q, k and v cannot be proven"
+    )
+
+
+@dataclass
+class PackedQKVFuser(RewriteFuser):
+    """`q, k, v = split(qkv(x))` (slices, `.split`, `.chunk` of the last dimension) ->
+    the same split of a `QKVParallelLinear`, by its per-rank sizes, loading the packed
+    tensor; the output projection becomes a `RowParallelLinear`.
+
+    Only a split into query, key and value in that order, each a block of whole heads,
+    is taken; any other packing is declined, never guessed."""
+
+    packed_name: str = ""
+    output_name: str = ""
+    head_size_attribute: str = ""
+    num_heads_attribute: str = ""
+    split_spans: tuple[Span, ...] = ()
+    """One span for a split/chunk call, or three for slices (q, k, v)."""
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 2
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
+        if graph is None or (roles := attention_roles(graph)) is None:
+            return None
+        linears = {fx_utils.linear_feeding(role, module) for role in roles}
+        if len(linears) != 1 or None in linears:
+            return None
+        (packed,) = linears
+        if reason := called_once(graph, [packed.target]):
+            return cls.decline(module, reason)
+        found = packed_parts(packed)
+        if isinstance(found, str):
+            return cls.decline(module, found)
+        parts, splits = found
+        for role, part, name in zip(roles, parts, ("query", "key", "value")):
+            if role is not part and fx_utils.upstream(role, lambda n: n in parts) != {part}:
+                return cls.decline(
+                    module, f"the attention's {name} is not the packed output's "
+                    f"{name[0]} part (QKVParallelLinear packs q, k, v in this order)"
+                )
+        query = heads_at(roles[0])
+        if query is None:
+            return cls.decline(module, "the head size at the attention call is unknown")
+        head_size = query.shape[-1]
+        sizes = [fx_utils.value(p).shape[-1] for p in parts]
+        try:
+            layout = HeadLayout.of(*sizes, head_size)
+        except FusionDeclined as reason:
+            return cls.decline(module, str(reason))
+        if layout.v_head_size != head_size:
+            return cls.decline(module, "value heads differ in size from query heads")
+        head_size_attribute = holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
+        num_heads_attribute = holding(module, NUM_HEADS_ATTRIBUTES, layout.num_heads)
+        if head_size_attribute is None or num_heads_attribute is None:
+            return cls.decline(
+                module, f"no attributes hold the head size {head_size} and head count "
+                f"{layout.num_heads}"
+            )
+        output = output_projection(graph, module)
+        if isinstance(output, str):
+            return cls.decline(module, output)
+        return cls(
+            packed_name=packed.target,
+            output_name=output.target,
+            head_size_attribute=head_size_attribute,
+            num_heads_attribute=num_heads_attribute,
+            split_spans=tuple(s.meta.get("span") for s in splits),
+        )
+
+    def layout(self, module: nn.Module) -> HeadLayout:
+        """This instance's heads: its head size and count, the rest of the packed
+        width split evenly between keys and values."""
+        head_size = resolve(module, self.head_size_attribute)
+        q_size = resolve(module, self.num_heads_attribute) * head_size
+        kv_size, odd = divmod(getattr(module, self.packed_name).out_features - q_size, 2)
+        if odd:
+            raise FusionDeclined("the packed width leaves keys and values unequal")
+        return HeadLayout.of(q_size, kv_size, kv_size, head_size)
+
+    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+        try:
+            self.layout(module).check_divides(vllm_config.parallel_config.tensor_parallel_size)
+        except FusionDeclined as reason:
+            logger.info("Not fusing %s in this %s: %s", self.packed_name, type(module).__name__, reason)
+            return False
+        return True
+
+    def update_forward(self, module: nn.Module) -> None:
+        rewrite = ForwardRewrite(type(module))
+        splits = [rewrite.expression_at(span) for span in self.split_spans]
+        sizes = fx_utils.parse_expression(f"self.{self.packed_name}.output_partition_sizes")
+        if len(splits) == 1:
+            call = splits[0]
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+                raise FusionDeclined("the split of the packed output is not a call in forward")
+            on_torch = isinstance(call.func.value, ast.Name) and (
+                rewrite.function.__globals__.get(call.func.value.id) is torch
+            )
+            receiver = call.args[0] if on_torch else call.func.value
+            positional_dim = call.args[2:3] if on_torch else call.args[1:2]
+            dim = next((k.value for k in call.keywords if k.arg == "dim"), None)
+            dim = dim or (positional_dim[0] if positional_dim else None)
+            if dim is None:
+                raise FusionDeclined("the split of the packed output names no dimension")
+            rewrite.replace(call, _split(receiver, sizes, dim))
+        else:
+            for index, subscript in enumerate(splits):
+                if not isinstance(subscript, ast.Subscript):
+                    raise FusionDeclined("the packed output is not sliced in forward")
+                part = _split(subscript.value, sizes, ast.Constant(-1))
+                rewrite.replace(subscript, ast.Subscript(part, ast.Constant(index), ast.Load()))
+        self.fused_forward = rewrite.compile()
+
+    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+        packed = getattr(module, self.packed_name)
+        qkv = self.layout(module).qkv_linear(
+            packed.in_features, packed.bias is not None, f"{prefix}.{self.packed_name}", vllm_config
+        )
+        setattr(module, self.packed_name, qkv)
+        row_parallel(module, self.output_name, prefix, vllm_config)
+
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        # The checkpoint already holds the packed tensor; QKVParallelLinear's loader
+        # splits it into its shards.
+        return {self.packed_name: [self.packed_name]}
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return (
+            f"Fused: packed {self.packed_name} ({name}: {type(module).__name__}) -> "
+            f"QKVParallelLinear; {self.output_name} -> RowParallelLinear"
+        )
+
+
+def _split(tensor: ast.expr, sizes: ast.expr, dim: ast.expr) -> ast.Call:
+    """`<tensor>.split(<sizes>, dim=<dim>)`."""
+    return ast.Call(
+        ast.Attribute(tensor, "split", ast.Load()), [sizes], [ast.keyword("dim", dim)]
+    )

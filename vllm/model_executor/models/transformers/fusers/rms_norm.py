@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Root-mean-square normalisation, found from what a module computes."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
+
+import torch
+from torch import fx, nn
+
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+
+
+def _uncast(node: object) -> object:
+    while fx_utils.op_name(node) in _CASTS:
+        node = node.args[0]
+    return node
+
+
+def _past_casts(node: fx.Node) -> fx.Node:
+    """`node`, or the last of a chain of casts applied to it."""
+    while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(user) in _CASTS:
+        node = user
+    return node
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    found = fx_utils.value(node)
+    return found.dtype if isinstance(found, torch.Tensor) else None
+
+
+def _other(node: fx.Node, operand: object) -> object:
+    """The operand of the binary `node` that is not `operand`."""
+    a, b = node.args[:2]
+    return b if a is operand else a
+
+
+def _is_square_of(node: object, x: fx.Node) -> bool:
+    name = fx_utils.op_name(node)
+    return (
+        (name == "pow" and node.args[0] is x and node.args[1] == 2)
+        or (name == "mul" and node.args[0] is x and node.args[1] is x)
+        or (name == "square" and node.args[0] is x)
+    )
+
+
+def _mean_dim(node: fx.Node) -> tuple[object, bool]:
+    """The dim and keepdim of a `mean` node."""
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    if isinstance(dim, list | tuple) and len(dim) == 1:
+        dim = dim[0]
+    return dim, keepdim
+
+
+@dataclass(frozen=True)
+class _Core:
+    """`x * rsqrt(mean(x ** 2) + eps)` found in a graph."""
+
+    x: fx.Node
+    normalised: fx.Node
+    eps: object
+    mean: fx.Node
+
+
+def _rms_core(graph: fx.Graph) -> _Core | None:
+    for rsqrt in graph.nodes:
+        if fx_utils.op_name(rsqrt) != "rsqrt" or fx_utils.op_name(rsqrt.args[0]) != "add":
+            continue
+        add = rsqrt.args[0]
+        mean = next((a for a in add.args[:2] if fx_utils.op_name(a) == "mean"), None)
+        if mean is None:
+            continue
+        for normalised in rsqrt.users:
+            x = _other(normalised, rsqrt) if fx_utils.op_name(normalised) == "mul" else None
+            if isinstance(x, fx.Node) and _is_square_of(mean.args[0], x):
+                return _Core(x, normalised, _other(add, mean), mean)
+    return None
+
+
+@dataclass
+class RMSNormFuser(BaseFuser):
+    """`x * rsqrt(mean(x ** 2, -1) + eps) * w` (or `* (1 + w)`, or `torch.rms_norm`) ->
+    vLLM's `RMSNorm` (or `GemmaRMSNorm`) with the module's own eps and width.
+
+    Found from the dataflow, never the class name, and only where vLLM computes the
+    same thing the same way: normalised in float32; the weight applied after casting
+    back to the input dtype (`RMSNorm`), or in float32 before it (`RMSNorm` keeping a
+    float32 weight; `GemmaRMSNorm` for `1 + w`). `torch.rms_norm` is taken as what it
+    is meant to be: it agrees with vLLM's to float32 rounding. The weight keeps the
+    name `weight`, so checkpoints load unchanged."""
+
+    needs_graph = True
+
+    gemma: bool = False
+    weight_in_float32: bool = False
+    eps_attribute: str | None = None
+    """The instance attribute holding eps; `None` when it is a constant of the class."""
+    eps: float = 0.0
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        parameters = list(module.parameters())
+        return not any(True for _ in module.children()) and (
+            len(parameters) <= 1 and all(p.ndim == 1 for p in parameters)
+        )
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
+        if graph is None:
+            return None
+        functional = next((n for n in graph.nodes if fx_utils.op_name(n) == "rms_norm"), None)
+        if functional is not None:
+            return cls._functional(graph, module, functional)
+        core = _rms_core(graph)
+        if core is None:
+            return None
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        if _uncast(core.x) is not inputs[0]:
+            return cls.decline(module, "it does not normalise its first input")
+        dim, keepdim = _mean_dim(core.mean)
+        if dim not in (-1, fx_utils.value(core.x).ndim - 1) or keepdim is not True:
+            return cls.decline(module, f"the mean is over dim={dim} (keepdim={keepdim}), not the last")
+        if _dtype(core.normalised) != torch.float32:
+            return cls.decline(module, "it normalises in the input dtype; vLLM normalises in float32")
+        output = fx_utils.returned(graph)
+        if output is None:
+            return cls.decline(module, "tracing stopped before the output")
+        normalised = _past_casts(core.normalised)
+        if normalised is output:
+            return cls.decline(module, "it has no weight")
+        scaled = fx_utils.single_user(normalised)
+        if fx_utils.op_name(scaled) != "mul" or _past_casts(scaled) is not output:
+            return cls.decline(module, "something other than a weight follows the normalisation")
+        weight_term = _uncast(_other(scaled, normalised))
+        gemma = fx_utils.op_name(weight_term) == "add"
+        if gemma:
+            one, weight = weight_term.args[:2]
+            if isinstance(one, fx.Node):
+                one, weight = weight, one
+            if one != 1:
+                return cls.decline(module, f"the weight is offset by {one}, not 1")
+            weight = _uncast(weight)
+            if _dtype(weight_term) != torch.float32 or _dtype(scaled) != torch.float32:
+                return cls.decline(
+                    module, "(1 + weight) is not applied in float32, as vLLM's GemmaRMSNorm does"
+                )
+        else:
+            weight = weight_term
+        if reason := cls._weight_reason(weight, fx_utils.value(core.x)):
+            return cls.decline(module, reason)
+        if _dtype(output) != fx_utils.PROBE_DTYPE:
+            return cls.decline(module, f"it returns {_dtype(output)}, not its input's dtype")
+        return cls._with_eps(
+            module, core.eps, gemma=gemma, weight_in_float32=_dtype(scaled) == torch.float32
+        )
+
+    @classmethod
+    def _functional(cls, graph: fx.Graph, module: nn.Module, node: fx.Node) -> Self | None:
+        """`torch.rms_norm(x, (width,), self.weight, eps)`."""
+        x, shape, weight, eps = (*node.args, None, None, None)[:4]
+        weight, eps = node.kwargs.get("weight", weight), node.kwargs.get("eps", eps)
+        if x.op != "placeholder" or fx_utils.returned(graph) not in (node, _past_casts(node)):
+            return cls.decline(module, "rms_norm is not all the module computes")
+        if not isinstance(shape, list | tuple) or len(shape) != 1:
+            return cls.decline(module, f"rms_norm normalises over {shape}, not the last dim")
+        if eps is None:
+            return cls.decline(module, "rms_norm takes its dtype's eps, which vLLM does not")
+        if weight is None:
+            return cls.decline(module, "it has no weight")
+        if reason := cls._weight_reason(weight, fx_utils.value(x)):
+            return cls.decline(module, reason)
+        return cls._with_eps(module, eps, gemma=False, weight_in_float32=False)
+
+    @staticmethod
+    def _weight_reason(weight: object, x: torch.Tensor) -> str | None:
+        """Why `weight` is not a scale vLLM's norms can load, `None` if it is."""
+        if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            return "the weight is not one of its parameters"
+        if weight.target != "weight":
+            return f"its scale is named {weight.target!r}; vLLM's norms load `weight`"
+        if fx_utils.value(weight).shape != (x.shape[-1],):
+            return "the weight is not one scale per feature"
+        return None
+
+    @classmethod
+    def _with_eps(cls, module: nn.Module, eps: object, **numerics: bool) -> Self | None:
+        if not isinstance(eps, float | int) or isinstance(eps, bool):
+            return cls.decline(module, "eps is not a constant")
+        holders = [
+            name
+            for name, held in vars(module).items()
+            if not name.startswith("_") and type(held) in (float, int) and held == eps
+        ]
+        if len(holders) > 1:
+            return cls.decline(module, f"eps={eps} could be any of {holders}")
+        return cls(eps_attribute=holders[0] if holders else None, eps=float(eps), **numerics)
+
+    def fuse(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> nn.Module:
+        hidden_size = module.weight.shape[0]
+        eps = float(getattr(module, self.eps_attribute)) if self.eps_attribute else self.eps
+        if self.gemma:
+            return GemmaRMSNorm(hidden_size, eps)
+        # Built under the model's dtype: a weight applied in float32 is kept at least
+        # that precise, so it multiplies as Transformers' promotion does.
+        dtype = torch.get_default_dtype()
+        if self.weight_in_float32:
+            dtype = torch.promote_types(dtype, torch.float32)
+        return RMSNorm(hidden_size, eps, dtype=dtype)
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return (
+            f"Fused: {name} -> {type(module).__name__} "
+            f"(eps={module.variance_epsilon}, hidden size {module.weight.shape[0]})"
+        )
