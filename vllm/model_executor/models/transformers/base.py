@@ -13,6 +13,7 @@ Construction happens in this order, each step owned by one place:
 5. allocate what is still on `meta`; weights load later (`loading.py`).
 """
 
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.initialization import no_init_weights
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -116,6 +118,45 @@ def describe_layer(qualname: str, layer: nn.Module) -> str:
     return f"{qualname} ({type(layer).__name__}){found}"
 
 
+def _no_dynamic_rope(vllm_config: "VllmConfig") -> bool:
+    """Dynamic rope scaling recomputes frequencies per call, which compiles badly."""
+    rope = getattr(vllm_config.model_config.hf_text_config, "rope_parameters", None) or {}
+    parameters = rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    return all(p.get("rope_type") != "dynamic" for p in parameters)
+
+
+@functools.cache
+def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` under vLLM's `support_torch_compile`, as a subclass whose `__init__`
+    builds nothing: it only sets the compile state on an instance already built."""
+
+    def __init__(self, *, vllm_config: "VllmConfig", prefix: str = "") -> None:
+        pass
+
+    subclass = type(
+        cls.__name__,
+        (cls,),
+        {"__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
+    return support_torch_compile(
+        # HF models take a batch dimension: [1, tokens] ids, [1, tokens, hidden]
+        # embeddings, positions [1, tokens] (or [3, 1, tokens] for M-RoPE).
+        dynamic_arg_dims={"input_ids": 1, "inputs_embeds": 1, "position_ids": -1},
+        enable_if=_no_dynamic_rope,
+    )(subclass)
+
+
+def enable_compile(base_model: nn.Module, vllm_config: "VllmConfig") -> None:
+    """Let vLLM compile the HF base model as it compiles its own models.
+
+    The decorator wants a class before it is built; the HF model already is, so the
+    instance moves to a decorated subclass of its own class (HF's class stays
+    untouched) and runs that subclass's `__init__` once."""
+    compilable = _compilable(type(base_model))
+    base_model.__class__ = compilable
+    compilable.__init__(base_model, vllm_config=vllm_config)
+
+
 class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
     """A HF model made vLLM-native: fused, tensor-parallel, with vLLM attention."""
 
@@ -140,6 +181,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             logger.info(self.report.short())
 
         materialize(self, vllm_config.model_config.dtype)
+        enable_compile(self.model, vllm_config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], self.text_config.hidden_size
         )
@@ -254,8 +296,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             inputs_embeds=inputs_embeds,
             position_ids=positions[None] if positions.ndim == 1 else positions[:, None],
             use_cache=False,
+            return_dict=False,
             **kwargs,
-        ).last_hidden_state[0]
+        )[0][0]
         if not self.pp_group.is_last_rank:
             return IntermediateTensors({"hidden_states": hidden_states})
         return hidden_states
