@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fusion report: its content, its verdicts, its JSON, and that the engine logs
+the same thing the command prints."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from configs import small_config
+
+from vllm.model_executor.models.transformers.report import (
+    build_report,
+    load_config,
+    vllm_runtime,
+)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    with vllm_runtime():
+        yield
+
+
+def test_llama_report_lists_every_fusion_per_class(runtime):
+    report = build_report(small_config("llama", num_hidden_layers=3), "llama")
+    assert report.servable and report.reason is None
+    assert report.classes["LlamaAttention"].applied == {"QKVFuser": 3, "AttentionFuser": 3}
+    assert report.classes["LlamaMLP"].applied == {"GLUFuser": 3}
+    assert report.classes["LlamaRMSNorm"].applied == {"RMSNormFuser": 7}
+    assert [a.layer_index for a in report.attention] == [0, 1, 2]
+    assert [a.scale for a in report.attention] == pytest.approx([32**-0.5] * 3)
+    styles = {(linear.module, linear.layer_class, linear.style) for linear in report.linears}
+    assert ("model.layers.0.self_attn.qkv_proj", "QKVParallelLinear", "colwise") in styles
+    assert ("model.layers.0.mlp.down_proj", "RowParallelLinear", "rowwise") in styles
+    # q, k, v, gate and up of three layers are inside merged linears.
+    assert report.fused_projections == 15
+    assert report.linears_total == 21
+
+
+def test_declined_fusion_is_reported_with_reason_and_location(runtime):
+    # GPT-NeoX packs q, k, v interleaved per head: the packed-QKV fuser must decline.
+    report = build_report(small_config("gpt_neox"), "gpt_neox")
+    attention = report.classes["GPTNeoXAttention"]
+    assert attention.applied == {"AttentionFuser": 2}
+    (declined,) = [d for d in attention.declined if d.fuser == "PackedQKVFuser"]
+    assert "cannot be proven" in declined.reason
+    assert re.search(r"\.py:\d+$", declined.location)
+    assert report.servable
+
+
+def test_model_without_interface_dispatch_is_not_servable_with_the_reason(runtime):
+    report = build_report(
+        small_config("bloom", n_layer=2, n_head=4, hidden_size=128), "bloom"
+    )
+    assert not report.servable
+    assert "Decoder layer 0" in report.reason
+    assert "BloomAttention" in report.reason
+    assert "is not compatible with vLLM" in report.reason  # vLLM's registry, too
+
+
+def test_model_family_not_built_yet_is_not_servable_but_still_analysed(runtime):
+    report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
+    assert not report.servable
+    assert "VLLM_TRANSFORMERS_BACKEND=stock" in report.reason
+    assert len(report.attention) == 2
+
+
+def test_command_prints_json_and_plain_text(tmp_path):
+    small_config("qwen3", head_dim=32).save_pretrained(tmp_path)
+    command = [sys.executable, "-m", "vllm.model_executor.models.transformers.report"]
+    data = json.loads(
+        subprocess.run([*command, str(tmp_path), "--json"], capture_output=True,
+                       text=True, check=True).stdout
+    )
+    assert data["servable"] is True
+    assert set(data) >= {"model", "classes", "attention", "linears", "servable", "reason", "short"}
+    assert data["classes"]["Qwen3Attention"]["applied"] == {"QKVFuser": 2, "AttentionFuser": 2}
+    assert {"layer_index", "module", "scale", "sliding_window", "soft_cap", "mla"} <= set(
+        data["attention"][0]
+    )
+    text = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "Verdict: SERVABLE" in text
+    assert "\033[" not in text  # piped: no colour
+    assert data["short"] in text
+
+
+@pytest.mark.engine
+def test_engine_start_up_log_agrees_with_the_command(runtime):
+    from test_end_to_end import checkpoint, engine
+
+    path = checkpoint("llama")
+    logged = re.findall(r"Fusion report for .*", engine("llama", "project").log)
+    assert logged, "the engine did not log the fusion report"
+    report = build_report(load_config(str(path)), str(path))
+    assert logged[-1].strip() == report.short()
