@@ -1,7 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Fixtures for building the backend in-process, on the CPU, from a config alone."""
 
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,33 +16,15 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.distributed import (
-    init_distributed_environment,
-    initialize_model_parallel,
-    model_parallel_is_initialized,
-)
+from vllm.model_executor.models.transformers import report
 from vllm.utils.torch_utils import set_default_torch_dtype
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def vllm_runtime() -> Iterator[None]:
     """A world-size-1 gloo group, which vLLM's parallel layers need to exist."""
-    if not model_parallel_is_initialized():
-        with set_current_vllm_config(VllmConfig()):
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-                backend="gloo",
-            )
-            initialize_model_parallel(1, 1)
-    yield
+    with report.vllm_runtime():
+        yield
 
 
 @pytest.fixture

@@ -13,17 +13,10 @@ from configs import small_config
 from vllm.model_executor.models.transformers.report import (
     build_report,
     load_config,
-    vllm_runtime,
 )
 
 
-@pytest.fixture(scope="module")
-def runtime():
-    with vllm_runtime():
-        yield
-
-
-def test_llama_report_lists_every_fusion_per_class(runtime):
+def test_llama_report_lists_every_fusion_per_class(vllm_runtime):
     report = build_report(small_config("llama", num_hidden_layers=3), "llama")
     assert report.servable and report.reason is None
     assert report.classes["LlamaAttention"].applied == {"QKVFuser": 3, "AttentionFuser": 3}
@@ -39,7 +32,7 @@ def test_llama_report_lists_every_fusion_per_class(runtime):
     assert report.linears_total == 21
 
 
-def test_declined_fusion_is_reported_with_reason_and_location(runtime):
+def test_declined_fusion_is_reported_with_reason_and_location(vllm_runtime):
     # GPT-NeoX packs q, k, v interleaved per head: the packed-QKV fuser must decline.
     report = build_report(small_config("gpt_neox"), "gpt_neox")
     attention = report.classes["GPTNeoXAttention"]
@@ -50,7 +43,7 @@ def test_declined_fusion_is_reported_with_reason_and_location(runtime):
     assert report.servable
 
 
-def test_model_without_interface_dispatch_is_not_servable_with_the_reason(runtime):
+def test_model_without_interface_dispatch_is_not_servable_with_the_reason(vllm_runtime):
     report = build_report(
         small_config("bloom", n_layer=2, n_head=4, hidden_size=128), "bloom"
     )
@@ -60,7 +53,7 @@ def test_model_without_interface_dispatch_is_not_servable_with_the_reason(runtim
     assert "is not compatible with vLLM" in report.reason  # vLLM's registry, too
 
 
-def test_model_family_not_built_yet_is_not_servable_but_still_analysed(runtime):
+def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runtime):
     report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
     assert not report.servable
     assert "VLLM_TRANSFORMERS_BACKEND=stock" in report.reason
@@ -88,7 +81,7 @@ def test_command_prints_json_and_plain_text(tmp_path):
 
 
 @pytest.mark.engine
-def test_engine_start_up_log_agrees_with_the_command(runtime):
+def test_engine_start_up_log_agrees_with_the_command(vllm_runtime):
     from test_end_to_end import checkpoint, engine
 
     path = checkpoint("llama")
