@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""fx_utils: partial-tolerant tracing, source spans, graph queries, forward rewriting."""
+"""fx_utils: partial tracing, source spans, graph queries, forward rewriting."""
 
 import ast
 import inspect
@@ -25,7 +25,13 @@ from vllm.model_executor.models.transformers.fx_utils import (
 
 
 def llama_config():
-    return AutoConfig.for_model("llama", hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    return AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def by_target(graph: fx.Graph, target: object) -> fx.Node:
@@ -106,12 +112,19 @@ def test_node_spans_locate_their_forward_expression():
     gate = rewrite.expression_at(by_target(graph, "gate_proj").meta["span"])
     assert ast.unparse(gate) == "self.gate_proj(x)"
     (product,) = by_target(graph, "up_proj").users
-    assert ast.unparse(rewrite.expression_at(product.meta["span"])) == "self.act_fn(self.gate_proj(x)) * self.up_proj(x)"
+    assert (
+        ast.unparse(rewrite.expression_at(product.meta["span"]))
+        == "self.act_fn(self.gate_proj(x)) * self.up_proj(x)"
+    )
 
 
 def test_rewrite_compiles_in_the_original_module_globals():
     rewrite = ForwardRewrite(LlamaMLP)
-    (call,) = [n for n in ast.walk(rewrite.tree) if isinstance(n, ast.Call) and fx_utils.is_self_attribute(n.func, "up_proj")]
+    (call,) = [
+        n
+        for n in ast.walk(rewrite.tree)
+        if isinstance(n, ast.Call) and fx_utils.is_self_attribute(n.func, "up_proj")
+    ]
     rewrite.replace(call, fx_utils.parse_expression("self.gate_proj(x)"))
     statement = ast.parse("x = x * 2").body[0]
     rewrite.insert_before(rewrite.tree.body[0], statement)
@@ -122,7 +135,28 @@ def test_rewrite_compiles_in_the_original_module_globals():
     x = torch.randn(2, 32)
     with torch.no_grad():
         h = module.gate_proj(2 * x)
-        torch.testing.assert_close(forward(module, x), module.down_proj(module.act_fn(h) * h))
+        torch.testing.assert_close(
+            forward(module, x), module.down_proj(module.act_fn(h) * h)
+        )
+
+
+def test_stacked_calls_become_one_call_and_a_split():
+    config = llama_config()
+    module = LlamaAttention(config, layer_idx=0)
+    graph = trace(module).graph
+    spans = {
+        name: by_target(graph, name).meta["span"]
+        for name in ("q_proj", "k_proj", "v_proj")
+    }
+    rewrite = ForwardRewrite(LlamaAttention)
+    rewrite.stack_calls(spans, "qkv_proj")
+    source = ast.unparse(rewrite.tree)
+    assert (
+        "q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states)"
+        ".split(self.qkv_proj.output_partition_sizes, dim=-1)"
+    ) in source
+    assert "query_states = q_proj_out.view(hidden_shape).transpose(1, 2)" in source
+    assert "self.q_proj" not in source
 
 
 class Base(nn.Module):
@@ -156,7 +190,10 @@ def closure_module() -> type[nn.Module]:
 
 def sourceless_module() -> type[nn.Module]:
     namespace: dict = {"nn": nn}
-    exec("class Sourceless(nn.Module):\n    def forward(self, x):\n        return x\n", namespace)
+    exec(
+        "class Sourceless(nn.Module):\n    def forward(self, x):\n        return x\n",
+        namespace,
+    )
     return namespace["Sourceless"]
 
 

@@ -16,7 +16,6 @@ from vllm.model_executor.models.transformers.fuser import get_fusers
 from vllm.model_executor.models.transformers.fusers.base import DECLINED, BaseFuser
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-
 TOLERANCES = {
     # GEMMs of other shapes round differently in float32; float64 shows the rest.
     torch.float32: (1e-5, 1e-4),
@@ -115,5 +114,7 @@ def randomize(module: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator, dtype=dtype) * 0.5)
+            param.copy_(
+                torch.randn(param.shape, generator=generator, dtype=dtype) * 0.5
+            )
     return module.eval()

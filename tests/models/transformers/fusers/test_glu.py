@@ -12,7 +12,10 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.models.transformers.fuser import get_fuser
 from vllm.model_executor.models.transformers.fusers import GLUFuser
 
@@ -39,7 +42,9 @@ class ActivationLookedUpInForward(MLP):
 
 class TanhGelu(MLP):
     def forward(self, x):
-        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(
+            nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
+        )
 
 
 class Bound(nn.Module):
@@ -82,7 +87,9 @@ class Relu(MLP):
 class FormulaGelu(MLP):
     def __init__(self):
         super().__init__()
-        self.act_fn = ACT2FN["gelu_new"]  # tanh GELU written out: no fused kernel computes it
+        self.act_fn = ACT2FN[
+            "gelu_new"
+        ]  # tanh GELU written out: no fused kernel computes it
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -102,33 +109,47 @@ class NoDown(MLP):
 class BindingReadAgain(MLP):
     def forward(self, x):
         gate = self.gate_proj(x)
-        kept = gate  # never used: only the source shows the second read
+        kept = gate  # noqa: F841 - dead: only the source shows this second read
         return self.down_proj(F.silu(gate) * self.up_proj(x))
 
 
 def tokens(dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(2, 5, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    return torch.randn(
+        2, 5, HIDDEN, dtype=dtype, generator=torch.Generator().manual_seed(1)
+    )
 
 
 def llama_config(**overrides):
     return AutoConfig.for_model(
-        "llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=2, **overrides
+        "llama",
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_attention_heads=2,
+        **overrides,
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_llama_mlp_becomes_merged_column_and_silu_and_mul(equivalent, dtype):
-    fused, (fuser,) = equivalent(LlamaMLP(llama_config(mlp_bias=True)), tokens(dtype), dtype=dtype)
+    fused, (fuser,) = equivalent(
+        LlamaMLP(llama_config(mlp_bias=True)), tokens(dtype), dtype=dtype
+    )
     assert isinstance(fused.gate_up_proj, MergedColumnParallelLinear)
     assert isinstance(fused.act_fn, SiluAndMul)  # the HF activation module, replaced
     assert isinstance(fused.down_proj, RowParallelLinear)
-    assert fuser.stacked_weights("mlp") == {"mlp.gate_proj.": ("mlp.gate_up_proj.", 0), "mlp.up_proj.": ("mlp.gate_up_proj.", 1)}
+    assert fuser.stacked_weights("mlp") == {
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", 1),
+    }
     assert fuser.packed_modules_mapping == {"gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 def test_gemma3_tanh_gelu_module_becomes_gelu_and_mul(equivalent):
     config = AutoConfig.for_model(
-        "gemma3_text", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, hidden_activation="gelu_pytorch_tanh"
+        "gemma3_text",
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        hidden_activation="gelu_pytorch_tanh",
     )
     fused, _ = equivalent(Gemma3MLP(config), tokens())
     assert isinstance(fused.act_fn, GeluAndMul) and fused.act_fn.approximate == "tanh"
@@ -142,7 +163,12 @@ def test_gemma3_tanh_gelu_module_becomes_gelu_and_mul(equivalent):
         (TanhGelu(), "gelu_pytorch_tanh"),
         (StopsAfterDown(), "silu"),
     ],
-    ids=["F.silu", "ACT2FN-in-forward", "gelu-approximate-tanh", "trace-stops-after-down"],
+    ids=[
+        "F.silu",
+        "ACT2FN-in-forward",
+        "gelu-approximate-tanh",
+        "trace-stops-after-down",
+    ],
 )
 def test_activation_called_as_a_function_is_matched(module, activation, equivalent):
     fused, (fuser,) = equivalent(module, tokens())
@@ -173,7 +199,14 @@ def test_nothing_is_matched_when_tracing_stops_before_the_gate(declined):
         (NoDown(), "no single direct child projects the gated product"),
         (BindingReadAgain(), "`gate` is read outside the gated product"),
     ],
-    ids=["relu", "gelu-formula", "widths-differ", "gate-returned", "no-down", "binding-read-again"],
+    ids=[
+        "relu",
+        "gelu-formula",
+        "widths-differ",
+        "gate-returned",
+        "no-down",
+        "binding-read-again",
+    ],
 )
 def test_near_misses_are_declined_with_a_reason(module, reason, declined):
     assert get_fuser(module, GLUFuser) is None

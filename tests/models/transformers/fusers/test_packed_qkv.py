@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""PackedQKVFuser: an already-packed projection split into q, k, v -> QKVParallelLinear."""
+"""PackedQKVFuser: a packed projection split into q, k, v -> QKVParallelLinear."""
 
 import pytest
 import torch
@@ -50,7 +50,9 @@ class PackedSplit(Packed):
 
 class PackedTorchSplit(Packed):
     def forward(self, hidden_states):
-        q, k, v = torch.split(self.qkv_proj(hidden_states).unsqueeze(1), [Q, KV, KV], dim=3)
+        q, k, v = torch.split(
+            self.qkv_proj(hidden_states).unsqueeze(1), [Q, KV, KV], dim=3
+        )
         return self.attend(q[:, 0], k[:, 0], v[:, 0])
 
 
@@ -72,7 +74,9 @@ class InterleavedPerHead(Packed):
         self.qkv_proj = nn.Linear(HIDDEN, 3 * Q)
 
     def forward(self, hidden_states):
-        qkv = self.qkv_proj(hidden_states).view(*hidden_states.shape[:-1], -1, 3 * self.head_dim)
+        qkv = self.qkv_proj(hidden_states).view(
+            *hidden_states.shape[:-1], -1, 3 * self.head_dim
+        )
         q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).flatten(2))
@@ -116,23 +120,33 @@ def test_packed_tensor_loads_through_the_qkv_loader(fuse):
     # Checkpoint names are unchanged: the QKV loader splits the packed tensor itself.
     assert fuser.stacked_weights("model.layers.0.self_attn") == {}
     assert fuser.packed_modules_mapping == {"qkv_proj": ["qkv_proj"]}
-    assert (fused.qkv_proj.total_num_heads, fused.qkv_proj.total_num_kv_heads) == (HEADS, KV_HEADS)
+    assert (fused.qkv_proj.total_num_heads, fused.qkv_proj.total_num_kv_heads) == (
+        HEADS,
+        KV_HEADS,
+    )
     # (The weight itself is repacked for the CPU GEMM once loaded; the bias is not.)
     torch.testing.assert_close(fused.qkv_proj.bias.data, packed)
 
 
 def test_phi3_attention_is_fused(equivalent):
     config = AutoConfig.for_model(
-        "phi3", hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS
+        "phi3",
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
     )
     config._attn_implementation = "eager"
     cos, sin = tokens(HEAD, 2), tokens(HEAD, 3)
-    _, applied = equivalent(Phi3Attention(config, layer_idx=0), tokens(), (cos, sin), None)
+    _, applied = equivalent(
+        Phi3Attention(config, layer_idx=0), tokens(), (cos, sin), None
+    )
     assert [type(f) for f in applied] == [PackedQKVFuser]
 
 
 def test_gpt_bigcode_multi_query_attention_is_fused(equivalent):
-    config = AutoConfig.for_model("gpt_bigcode", n_embd=HIDDEN, n_head=HEADS, multi_query=True)
+    config = AutoConfig.for_model(
+        "gpt_bigcode", n_embd=HIDDEN, n_head=HEADS, multi_query=True
+    )
     config._attn_implementation = "eager"
     fused, _ = equivalent(GPTBigCodeAttention(config, layer_idx=0), tokens())
     assert fused.c_attn.total_num_kv_heads == 1
@@ -154,6 +168,8 @@ def test_packings_it_cannot_prove_are_declined(module, reason, declined):
 
 
 def test_gpt_bigcode_per_head_packing_is_declined(declined):
-    config = AutoConfig.for_model("gpt_bigcode", n_embd=HIDDEN, n_head=HEADS, multi_query=False)
+    config = AutoConfig.for_model(
+        "gpt_bigcode", n_embd=HIDDEN, n_head=HEADS, multi_query=False
+    )
     assert get_fuser(GPTBigCodeAttention(config, layer_idx=0), PackedQKVFuser) is None
     assert any("interleaved per head" in r for r in declined(PackedQKVFuser))

@@ -65,7 +65,11 @@ class HeadNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(HEAD))
 
     def forward(self, x):
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+        return (
+            x
+            * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+            * self.weight
+        )
 
 
 class NormedAttention(Attention):
@@ -160,7 +164,9 @@ class ProjectionReadElsewhere(Attention):
 
 
 def tokens(dtype=torch.float32, width: int = HIDDEN, seed: int = 1) -> torch.Tensor:
-    return torch.randn(2, 5, width, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(
+        2, 5, width, dtype=dtype, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -197,7 +203,8 @@ def test_weights_land_in_their_shards_through_stacked_weights(fuse):
     q, k, v = (getattr(module, f"{n}_proj").bias.detach().clone() for n in "qkv")
     fused, (fuser,) = fuse(module)
     assert fuser.stacked_weights("model.layers.0.self_attn") == {
-        f"model.layers.0.self_attn.{n}_proj.": ("model.layers.0.self_attn.qkv_proj.", n) for n in "qkv"
+        f"model.layers.0.self_attn.{n}_proj.": ("model.layers.0.self_attn.qkv_proj.", n)
+        for n in "qkv"
     }
     assert fuser.packed_modules_mapping == {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     torch.testing.assert_close(fused.qkv_proj.bias.data, torch.cat([q, k, v]))
@@ -205,21 +212,33 @@ def test_weights_land_in_their_shards_through_stacked_weights(fuse):
 
 def test_llama_attention_is_fused_through_the_attention_interface(equivalent):
     config = AutoConfig.for_model(
-        "llama", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, attention_bias=True
+        "llama",
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
     )
     config._attn_implementation = "eager"
     cos, sin = tokens(width=HEAD, seed=2), tokens(width=HEAD, seed=3)
-    _, applied = equivalent(LlamaAttention(config, layer_idx=0), tokens(), (cos, sin), None)
+    _, applied = equivalent(
+        LlamaAttention(config, layer_idx=0), tokens(), (cos, sin), None
+    )
     assert [type(f).__name__ for f in applied] == ["QKVFuser"]
 
 
 def test_qwen3_attention_with_head_norms_is_fused(equivalent):
     config = AutoConfig.for_model(
-        "qwen3", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=1, head_dim=HEAD
+        "qwen3",
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=HEAD,
     )
     config._attn_implementation = "sdpa"
     cos, sin = tokens(width=HEAD, seed=2), tokens(width=HEAD, seed=3)
-    _, applied = equivalent(Qwen3Attention(config, layer_idx=0), tokens(), (cos, sin), None)
+    _, applied = equivalent(
+        Qwen3Attention(config, layer_idx=0), tokens(), (cos, sin), None
+    )
     assert isinstance(applied[0], QKVFuser)
 
 
@@ -242,14 +261,22 @@ def test_nothing_is_matched_when_tracing_stops_before_the_projections(declined):
         (StopsBeforeAttention(), "did not reach a single attention call"),
         (ProjectionReadElsewhere(), "forward uses self.q_proj 2 times"),
     ],
-    ids=["cross-attention", "gated-query", "mixed-bias", "trace-stops-before-attention", "projection-read-elsewhere"],
+    ids=[
+        "cross-attention",
+        "gated-query",
+        "mixed-bias",
+        "trace-stops-before-attention",
+        "projection-read-elsewhere",
+    ],
 )
 def test_near_misses_are_declined_with_a_reason(module, reason, declined):
     assert get_fuser(module, QKVFuser) is None
     assert any(reason in r for r in declined(QKVFuser)), declined(QKVFuser)
 
 
-def test_instances_whose_heads_do_not_split_over_tp_ranks_are_not_fused(vllm_config, monkeypatch):
+def test_instances_whose_heads_do_not_split_over_tp_ranks_are_not_fused(
+    vllm_config, monkeypatch
+):
     fuser = get_fuser(Attention(heads=3, kv_heads=1), QKVFuser)
     monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
     assert not fuser.validate(Attention(heads=3, kv_heads=1), vllm_config)

@@ -4,11 +4,11 @@
 
 import pytest
 import torch
+from configs import small_config
 from torch import nn
 from transformers import AutoModel
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm" attention
-from configs import small_config
 from vllm.model_executor.models.transformers.fuser import get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 
@@ -92,7 +92,9 @@ def test_each_fusion_applies_and_says_so(model_type, vllm_config):
     for name, module in list(layer.named_modules()):
         parent, _, child = name.rpartition(".")
         for fuser in get_fusers(module):
-            if isinstance(fuser, AttentionFuser) or not fuser.validate(module, vllm_config):
+            if isinstance(fuser, AttentionFuser) or not fuser.validate(
+                module, vllm_config
+            ):
                 continue
             fused = fuser.fuse(module, name, vllm_config)
             setattr(layer.get_submodule(parent), child, fused)

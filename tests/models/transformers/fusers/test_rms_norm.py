@@ -67,7 +67,9 @@ class Weightless(nn.Module):
 class MeanOverTokens(Scale):
     def forward(self, x):
         y = x.float()
-        return (y * torch.rsqrt(y.pow(2).mean(1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+        return (y * torch.rsqrt(y.pow(2).mean(1, keepdim=True) + 1e-6)).to(
+            x.dtype
+        ) * self.weight
 
 
 class NoUpcast(Scale):
@@ -84,6 +86,13 @@ class OffsetInInputDtype(Scale):
         return y.type_as(x) * (1.0 + self.weight)
 
 
+class RoundedBeforeFloatWeight(Scale):
+    def forward(self, x):
+        y = x.float()
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return (y * self.weight.float()).to(x.dtype)
+
+
 class NamedScale(nn.Module):
     def __init__(self):
         super().__init__()
@@ -91,7 +100,9 @@ class NamedScale(nn.Module):
 
     def forward(self, x):
         y = x.float()
-        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.scale
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            x.dtype
+        ) * self.scale
 
 
 class ReturnsFloat32(Scale):
@@ -106,7 +117,9 @@ class DefaultEps(Functional):
 
 
 def tokens(dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(
+        dtype
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -119,23 +132,37 @@ def tokens(dtype: torch.dtype) -> torch.Tensor:
         (Scale(), RMSNorm, None),
         (Functional(), RMSNorm, None),
     ],
-    ids=["llama", "olmo2-weight-in-float32", "gemma3-one-plus-weight", "renamed-literal-eps", "F.rms_norm"],
+    ids=[
+        "llama",
+        "olmo2-weight-in-float32",
+        "gemma3-one-plus-weight",
+        "renamed-literal-eps",
+        "F.rms_norm",
+    ],
 )
-def test_rms_norms_become_vllm_norms_computing_the_same(module, vllm_class, weight_dtype, dtype, equivalent):
+def test_rms_norms_become_vllm_norms_computing_the_same(
+    module, vllm_class, weight_dtype, dtype, equivalent
+):
     if dtype != torch.float32 and isinstance(module, Functional):
         pytest.skip("torch.rms_norm computes in the input dtype, vLLM in float32")
     fused, (fuser,) = equivalent(module, tokens(dtype), dtype=dtype)
     assert type(fused) is vllm_class
     weight_dtype = torch.promote_types(dtype, weight_dtype) if weight_dtype else dtype
     assert fused.weight.dtype == weight_dtype
-    assert fused.variance_epsilon == pytest.approx(1e-5 if not isinstance(module, Functional) else 1e-6)
-    assert fuser.info("model.norm", fused).startswith(f"Fused: model.norm -> {vllm_class.__name__}")
+    assert fused.variance_epsilon == pytest.approx(
+        1e-5 if not isinstance(module, Functional) else 1e-6
+    )
+    assert fuser.info("model.norm", fused).startswith(
+        f"Fused: model.norm -> {vllm_class.__name__}"
+    )
 
 
 def test_each_instance_keeps_its_own_eps(fuse):
     fuser = get_fuser(LlamaRMSNorm(HIDDEN, eps=1e-5), RMSNormFuser)
     assert fuser.eps_attribute == "variance_epsilon"
-    assert fuse(LlamaRMSNorm(HIDDEN, eps=3e-4))[0].variance_epsilon == pytest.approx(3e-4)
+    assert fuse(LlamaRMSNorm(HIDDEN, eps=3e-4))[0].variance_epsilon == pytest.approx(
+        3e-4
+    )
 
 
 def test_nothing_is_matched_when_tracing_stops_before_the_norm(declined):
@@ -151,11 +178,22 @@ def test_nothing_is_matched_when_tracing_stops_before_the_norm(declined):
         (MeanOverTokens(), "the mean is over dim=1"),
         (NoUpcast(), "it normalises in the input dtype"),
         (OffsetInInputDtype(), "(1 + weight) is not applied in float32"),
+        (RoundedBeforeFloatWeight(), "applied in torch.float32 to a value rounded to"),
         (NamedScale(), "its scale is named 'scale'"),
         (ReturnsFloat32(), "it returns torch.float32"),
         (DefaultEps(), "rms_norm takes its dtype's eps"),
     ],
-    ids=["trace-stops-before-output", "weightless", "mean-over-tokens", "no-upcast", "offset-in-input-dtype", "scale-named-otherwise", "returns-float32", "default-eps"],
+    ids=[
+        "trace-stops-before-output",
+        "weightless",
+        "mean-over-tokens",
+        "no-upcast",
+        "offset-in-input-dtype",
+        "rounded-before-float32-weight",
+        "scale-named-otherwise",
+        "returns-float32",
+        "default-eps",
+    ],
 )
 def test_variants_vllm_computes_differently_are_declined(module, reason, declined):
     assert get_fuser(module, RMSNormFuser) is None

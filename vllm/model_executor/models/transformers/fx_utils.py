@@ -15,7 +15,6 @@
 """
 
 import ast
-import builtins
 import copy
 import functools
 import inspect
@@ -39,6 +38,7 @@ logger = init_logger(__name__)
 
 class FusionDeclined(Exception):
     """A pattern that almost matched, or a rewrite that cannot be applied safely."""
+
 
 Span = tuple[int, int, int, int]
 """`(line, column, end line, end column)` of an expression in its file."""
@@ -68,7 +68,7 @@ class ForwardSource:
         return f"{self.filename}:{self.first_line + getattr(node, 'lineno', 1) - 1}"
 
     def span(self, node: ast.AST) -> Span:
-        """Where `node` sits in the original file, comparable with a graph node's span."""
+        """Where `node` sits in its file, comparable with a graph node's span."""
         offset = self.first_line - 1
         return (
             node.lineno + offset,
@@ -149,8 +149,20 @@ _STATIC_ATTRIBUTES = frozenset(
 """Tensor attributes answered from the meta value instead of becoming graph nodes."""
 
 _BROADCASTING_OPS = frozenset(
-    {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.mul,
-     torch.sub, torch.div, "add", "sub", "mul", "div"}
+    {
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.truediv,
+        torch.add,
+        torch.mul,
+        torch.sub,
+        torch.div,
+        "add",
+        "sub",
+        "mul",
+        "div",
+    }
 )
 """Ops whose result has the shape of a known operand when the other one is unknown
 (a broadcast cos/sin, a mask): enough for shapes downstream to stay concrete."""
@@ -177,7 +189,7 @@ class _ProbeAttribute(fx.proxy.Attribute, _Probe):
 
 
 def _meta(value: object) -> object:
-    """`value` with every tensor in it replaced by a `meta` tensor (params in PROBE_DTYPE)."""
+    """`value`, a tensor made a `meta` tensor (floating ones in PROBE_DTYPE)."""
     if isinstance(value, torch.Tensor):
         dtype = PROBE_DTYPE if value.is_floating_point() else value.dtype
         return torch.empty(value.shape, dtype=dtype, device="meta")
@@ -185,8 +197,9 @@ def _meta(value: object) -> object:
 
 
 def _probe_width(module: nn.Module) -> int:
-    """The guessed width of the forward's first input: the module's own `in_features`,
-    else the most common input width of its linears, else the size of its 1-D weights."""
+    """The guessed width of the forward's first input: the module's own
+    `in_features`, else the most common input width of its linears, else the size of
+    its 1-D weights."""
     if isinstance(getattr(module, "in_features", None), int):
         return module.in_features
     widths = [c.in_features for c in module.children() if isinstance(c, nn.Linear)]
@@ -241,7 +254,8 @@ class _DataflowTracer(fx.Tracer):
                     _PROBE_BATCH, _PROBE_TOKENS, width, dtype=PROBE_DTYPE, device="meta"
                 )
             elif parameter.default is not parameter.empty and (
-                parameter.default is not None or "Tensor" not in str(parameter.annotation)
+                parameter.default is not None
+                or "Tensor" not in str(parameter.annotation)
             ):
                 value = parameter.default
             else:
@@ -267,13 +281,15 @@ class _DataflowTracer(fx.Tracer):
         return proxy
 
     def _span(self) -> Span | None:
-        """The span of the forward expression being evaluated, if forward is on the stack."""
+        """The span of the forward expression being evaluated, if forward runs."""
         frame = sys._getframe(2)
         while frame is not None and frame.f_code is not self.forward_code:
             frame = frame.f_back
         if frame is None:
             return None
-        line, end_line, column, end_column = _positions(self.forward_code)[frame.f_lasti // 2]
+        line, end_line, column, end_column = _positions(self.forward_code)[
+            frame.f_lasti // 2
+        ]
         if line is None or column is None:
             return None
         return line, column, end_line, end_column
@@ -282,7 +298,9 @@ class _DataflowTracer(fx.Tracer):
         """The meta value of a new node, `_UNKNOWN` where it cannot be inferred."""
         if kind == "get_attr":
             return _meta(_tensor_attribute(self.root, target))
-        values = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("value", _UNKNOWN))
+        values = fx.node.map_arg(
+            (args, kwargs), lambda n: n.meta.get("value", _UNKNOWN)
+        )
         meta_args, meta_kwargs = values
         if any(v is _UNKNOWN for v in _flatten(values)):
             if target in _BROADCASTING_OPS:
@@ -397,7 +415,9 @@ def trace(module: nn.Module) -> Traced:
             graph = tracer.trace(module)
     except Exception as error:  # noqa: BLE001 - any failure ends the trace where it is
         logger.debug("Tracing %s stopped early: %s", type(module).__name__, error)
-        return Traced(tracer.graph, complete=False, stopped=f"{type(error).__name__}: {error}")
+        return Traced(
+            tracer.graph, complete=False, stopped=f"{type(error).__name__}: {error}"
+        )
     return Traced(graph, complete=True)
 
 
@@ -413,7 +433,7 @@ def value(node: object) -> Any:
 
 
 def op_name(node: object) -> str | None:
-    """`"mul"` for `a * b`, `torch.mul(a, b)` and `a.mul(b)` alike; `None` for others."""
+    """`"mul"` for `a * b`, `torch.mul(a, b)` and `a.mul(b)` alike; else `None`."""
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_method":
@@ -444,9 +464,11 @@ def is_linear_on_input(node: object, module: nn.Module) -> bool:
 
 
 def _reach(
-    start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]], stop: Callable[[fx.Node], bool]
+    start: fx.Node,
+    step: Callable[[fx.Node], Iterable[fx.Node]],
+    stop: Callable[[fx.Node], bool],
 ) -> set[fx.Node]:
-    """The nodes satisfying `stop` reached from `start` by `step`, not walking past them."""
+    """The nodes satisfying `stop` reached from `start` by `step`, not past them."""
     found: set[fx.Node] = set()
     seen: set[fx.Node] = set()
     frontier = list(step(start))
@@ -510,13 +532,19 @@ def attention_node(graph: fx.Graph) -> fx.Node | None:
         n
         for n in graph.nodes
         if n.op == "call_function"
-        and n.target in (attention_call, torch.nn.functional.scaled_dot_product_attention)
+        and n.target
+        in (attention_call, torch.nn.functional.scaled_dot_product_attention)
     ]
     return calls[0] if len(calls) == 1 else None
 
 
 def single_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def linear_children(module: nn.Module) -> int:
+    """How many direct children of `module` are linears (a cheap pre-check)."""
+    return sum(isinstance(child, nn.Linear) for child in module.children())
 
 
 # Rewriting --------------------------------------------------------------------------
@@ -529,12 +557,11 @@ def _is_private(name: str) -> bool:
 
 def _stored_names(tree: ast.AST) -> Iterator[ast.Name]:
     """Every name `tree` binds or deletes."""
-    return (n for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load))
-
-
-def self_attribute(name: str) -> ast.Attribute:
-    """`self.<name>`."""
-    return ast.Attribute(value=ast.Name("self", ast.Load()), attr=name, ctx=ast.Load())
+    return (
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    )
 
 
 def is_self_attribute(node: ast.AST, name: str | None = None) -> bool:
@@ -561,15 +588,27 @@ class ForwardRewrite:
         if source is None:
             raise FusionDeclined(f"{name} has no source to rewrite")
         if free := self.function.__code__.co_freevars:
-            raise FusionDeclined(f"{name} uses free variables {list(free)} (a closure or super())")
+            raise FusionDeclined(
+                f"{name} uses free variables {list(free)} (a closure or super())"
+            )
         private = sorted(
-            {n.id for n in ast.walk(source.tree) if isinstance(n, ast.Name) and _is_private(n.id)}
-            | {n.attr for n in ast.walk(source.tree) if isinstance(n, ast.Attribute) and _is_private(n.attr)}
+            {
+                n.id
+                for n in ast.walk(source.tree)
+                if isinstance(n, ast.Name) and _is_private(n.id)
+            }
+            | {
+                n.attr
+                for n in ast.walk(source.tree)
+                if isinstance(n, ast.Attribute) and _is_private(n.attr)
+            }
         )
         if private:
             raise FusionDeclined(f"{name} uses name-mangled private names {private}")
         if cls.forward is not self.function and not source.tree.decorator_list:
-            raise FusionDeclined(f"{name} is wrapped by something its source does not show")
+            raise FusionDeclined(
+                f"{name} is wrapped by something its source does not show"
+            )
         self.source = source
         self.tree = copy.deepcopy(source.tree)
 
@@ -581,7 +620,9 @@ class ForwardRewrite:
             (
                 n
                 for n in ast.walk(self.tree)
-                if isinstance(n, ast.expr) and hasattr(n, "end_lineno") and self.source.span(n) == span
+                if isinstance(n, ast.expr)
+                and hasattr(n, "end_lineno")
+                and self.source.span(n) == span
             ),
             None,
         )
@@ -596,7 +637,9 @@ class ForwardRewrite:
             and not node.keywords
             and not isinstance(node.args[0], ast.Starred)
         ):
-            raise FusionDeclined(f"self.{name} is not called as `self.{name}(x)` in forward")
+            raise FusionDeclined(
+                f"self.{name} is not called as `self.{name}(x)` in forward"
+            )
         return node
 
     def references(self, name: str) -> list[ast.Attribute]:
@@ -608,14 +651,28 @@ class ForwardRewrite:
         if (uses := len(self.references(name))) != 1:
             raise FusionDeclined(f"forward uses self.{name} {uses} times, not once")
 
-    def names(self) -> set[str]:
-        return {n.id for n in ast.walk(self.tree) if isinstance(n, ast.Name)} | {
-            a.arg for a in ast.walk(self.tree) if isinstance(a, ast.arg)
-        }
+    def calls_on_one_name(self, spans: dict[str, Span]) -> tuple[list[ast.Call], str]:
+        """The calls `self.<child>(x)` at `spans` (child -> span), each child used
+        nowhere else in forward, all of the same local `x` holding one value across
+        them; and `x`."""
+        calls = [self.self_call(span, name) for name, span in spans.items()]
+        for name in spans:
+            self.expect_single_use(name)
+        x = calls[0].args[0]
+        if not isinstance(x, ast.Name) or any(
+            ast.dump(c.args[0]) != ast.dump(x) for c in calls
+        ):
+            raise FusionDeclined(
+                f"{', '.join(spans)} are not applied to one local name"
+            )
+        if not self.holds_one_value(x.id, calls):
+            raise FusionDeclined(f"`{x.id}` changes between {', '.join(spans)}")
+        return calls, x.id
 
     def fresh_name(self, base: str) -> str:
         """`base`, with underscores appended until no name of the forward is it."""
-        taken = self.names()
+        taken = {n.id for n in ast.walk(self.tree) if isinstance(n, ast.Name)}
+        taken |= {a.arg for a in ast.walk(self.tree) if isinstance(a, ast.arg)}
         while base in taken:
             base += "_"
         return base
@@ -632,7 +689,11 @@ class ForwardRewrite:
 
     def _parent(self, node: ast.AST) -> ast.AST | None:
         return next(
-            (p for p in ast.walk(self.tree) if any(c is node for c in ast.iter_child_nodes(p))),
+            (
+                p
+                for p in ast.walk(self.tree)
+                if any(c is node for c in ast.iter_child_nodes(p))
+            ),
             None,
         )
 
@@ -644,7 +705,9 @@ class ForwardRewrite:
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(parent, field, None)
                 if isinstance(block, list) and any(s is node for s in block):
-                    chain.append((block, next(i for i, s in enumerate(block) if s is node)))
+                    chain.append(
+                        (block, next(i for i, s in enumerate(block) if s is node))
+                    )
             node = parent
         return chain
 
@@ -670,7 +733,11 @@ class ForwardRewrite:
         block, first, last = self.region(nodes)
         # The last statement may assign the name: its value is computed first.
         end = block[last]
-        end_value = end.value if isinstance(end, ast.Assign | ast.AnnAssign | ast.AugAssign) else end
+        end_value = (
+            end.value
+            if isinstance(end, ast.Assign | ast.AnnAssign | ast.AugAssign)
+            else end
+        )
         if any(
             n.id == name
             for tree in (*block[first:last], end_value)
@@ -688,6 +755,21 @@ class ForwardRewrite:
             for s in b[:index]
             for n in _stored_names(s)
         )
+
+    def stack_calls(self, spans: dict[str, Span], fused: str) -> None:
+        """Replace the calls `self.<child>(x)` at `spans` (child -> span) by the parts
+        of one call `self.<fused>(x)`, split by its per-rank output sizes in the order
+        of `spans`, placed before the first of them."""
+        calls, x = self.calls_on_one_name(spans)
+        block, first, _ = self.region(calls)
+        outputs = [self.fresh_name(f"{name}_out") for name in spans]
+        split = ast.parse(
+            f"{', '.join(outputs)} = self.{fused}({x})"
+            f".split(self.{fused}.output_partition_sizes, dim=-1)"
+        )
+        self.insert_before(block[first], split.body[0])
+        for call, output in zip(calls, outputs):
+            self.replace(call, ast.Name(output, ast.Load()))
 
     def replace(self, old: ast.AST, new: ast.AST) -> None:
         """Put `new` where `old` is."""
@@ -714,7 +796,11 @@ class ForwardRewrite:
         ast.fix_missing_locations(module)
         ast.increment_lineno(module, self.source.first_line - 1)
         namespace: dict[str, Any] = {}
-        exec(compile(module, self.source.filename, "exec"), self.function.__globals__, namespace)
+        exec(
+            compile(module, self.source.filename, "exec"),
+            self.function.__globals__,
+            namespace,
+        )
         return namespace[self.tree.name]
 
 
@@ -728,7 +814,7 @@ def merged_name(names: list[str], module: nn.Module) -> str:
     parts that differ (`q_proj`, `k_proj`, `v_proj` -> `qkv_proj`; `gate_proj`,
     `up_proj` -> `gate_up_proj`), made unique among `module`'s attributes."""
     prefix = os.path.commonprefix(names)
-    suffix = os.path.commonprefix([n[len(prefix):][::-1] for n in names])[::-1]
+    suffix = os.path.commonprefix([n[len(prefix) :][::-1] for n in names])[::-1]
     parts = [n[len(prefix) : len(n) - len(suffix)] for n in names]
     joiner = "" if all(len(p) == 1 for p in parts) else "_"
     return fresh_attribute(module, f"{prefix}{joiner.join(parts)}{suffix}")

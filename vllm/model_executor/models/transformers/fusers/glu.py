@@ -3,7 +3,7 @@
 """Gated linear units: gate and up projections, stacked, with vLLM's act-and-mul."""
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
 import torch.nn.functional as F
@@ -16,7 +16,10 @@ from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
 )
-from vllm.model_executor.models.transformers.fusers.qkv import called_once, row_parallel
+from vllm.model_executor.models.transformers.fusers.qkv import (
+    called_once,
+    row_parallel,
+)
 from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
 
 if TYPE_CHECKING:
@@ -37,20 +40,23 @@ def _activation(node: fx.Node, module: nn.Module) -> str | None:
     if node.target is F.silu:
         return "silu"
     if node.target is F.gelu:
-        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        approximate = node.kwargs.get("approximate", "none")
         return {"none": "gelu", "tanh": "gelu_pytorch_tanh"}.get(approximate)
     return None
 
 
 def _describe(node: fx.Node) -> str:
-    return node.target if node.op == "call_module" else fx_utils.op_name(node) or node.name
+    return (
+        node.target if node.op == "call_module" else fx_utils.op_name(node) or node.name
+    )
 
 
 @dataclass
 class GLUFuser(StackedFuser):
-    """`down_proj(act(gate_proj(x)) * up_proj(x))` -> `down_proj(act_and_mul(gate_up_proj(x)))`
-    with `gate_up_proj` a `MergedColumnParallelLinear`, `act_and_mul` vLLM's fused
-    activation (`SiluAndMul`, `GeluAndMul`) and `down_proj` a `RowParallelLinear`.
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` ->
+    `down_proj(act_and_mul(gate_up_proj(x)))`, with `gate_up_proj` a
+    `MergedColumnParallelLinear`, `act_and_mul` vLLM's fused activation (`SiluAndMul`,
+    `GeluAndMul`) and `down_proj` a `RowParallelLinear`.
 
     The gate is the projection the activation is applied to, found from dataflow; the
     activation from what it computes, so `ACT2FN[...]` modules and `F.silu(...)`
@@ -62,12 +68,12 @@ class GLUFuser(StackedFuser):
     """The attribute holding the fused act-and-mul: the HF activation module's own
     name when it is replaced whole, else a new one."""
     down_name: str = ""
-    spans: dict[str, Span] | None = None
+    spans: dict[str, Span] = field(default_factory=dict)
     """Spans of the product, the activation and the gate and up calls."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+        return fx_utils.linear_children(module) >= 3
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
@@ -97,35 +103,44 @@ class GLUFuser(StackedFuser):
         gate: fx.Node,
         up: fx.Node,
     ) -> Self | None:
-        """Check the gated product `act(gate(x)) * up(x)` found in `graph` fuses."""
+        """Whether the gated product `act(gate(x)) * up(x)` found in `graph` fuses."""
         names = [gate.target, up.target]
         if reason := called_once(graph, names):
             return cls.decline(module, reason)
         activation = _activation(act, module)
         if activation is None:
             return cls.decline(
-                module, f"vLLM has no fused act-and-mul for the activation {_describe(act)}"
+                module,
+                f"vLLM has no fused act-and-mul for the activation {_describe(act)}",
             )
         if any(len(n.users) != 1 for n in (gate, up, act)):
-            return cls.decline(module, "the gate, up or activation output is used elsewhere")
-        gate_mod, up_mod = module.get_submodule(gate.target), module.get_submodule(up.target)
+            return cls.decline(
+                module, "the gate, up or activation output is used elsewhere"
+            )
+        gate_mod, up_mod = (module.get_submodule(name) for name in names)
         if gate_mod.out_features != up_mod.out_features:
             return cls.decline(module, f"{gate.target} and {up.target} differ in width")
         if (gate_mod.bias is None) != (up_mod.bias is None):
-            return cls.decline(module, f"only one of {gate.target} and {up.target} has a bias")
+            return cls.decline(
+                module, f"one of {gate.target} and {up.target} has a bias"
+            )
         down = fx_utils.linear_fed_by(product, module)
         if down is None or "." in down.target:
-            return cls.decline(module, "no single direct child projects the gated product")
-        # The HF activation module is replaced by the act-and-mul when nothing else in
-        # the forward calls it.
-        reuse = act.op == "call_module" and "." not in act.target and sum(
-            n.op == "call_module" and n.target == act.target for n in graph.nodes
-        ) == 1
+            return cls.decline(
+                module, "no single direct child projects the gated product"
+            )
+        # The HF activation module gives way to the act-and-mul when the forward calls
+        # it only here.
+        replaced = act.op == "call_module" and not called_once(graph, [act.target])
         return cls(
             fused_name=fx_utils.merged_name(names, module),
             shards={gate.target: 0, up.target: 1},
             activation=activation,
-            activation_name=act.target if reuse else fx_utils.fresh_attribute(module, "act_and_mul"),
+            activation_name=(
+                act.target
+                if replaced
+                else fx_utils.fresh_attribute(module, "act_and_mul")
+            ),
             down_name=down.target,
             spans={
                 "product": product.meta.get("span"),
@@ -140,18 +155,17 @@ class GLUFuser(StackedFuser):
         product = rewrite.expression_at(self.spans["product"])
         if product is None:
             raise FusionDeclined("the gated product is not computed in forward")
-        calls = [rewrite.self_call(self.spans[name], name) for name in self.shards]
-        for name in self.shards:
-            rewrite.expect_single_use(name)
-        x = calls[0].args[0]
-        if not isinstance(x, ast.Name) or ast.dump(calls[1].args[0]) != ast.dump(x):
-            raise FusionDeclined("gate and up are not applied to one local name")
-        if not rewrite.holds_one_value(x.id, [*calls, product]):
-            raise FusionDeclined(f"`{x.id}` changes between the projections and the product")
+        calls, x = rewrite.calls_on_one_name({n: self.spans[n] for n in self.shards})
+        if not rewrite.holds_one_value(x, [*calls, product]):
+            raise FusionDeclined(
+                f"`{x}` changes between the projections and the product"
+            )
+        if hasattr(module, self.activation_name):
+            rewrite.expect_single_use(self.activation_name)
         act = rewrite.expression_at(self.spans["act"])
-        # Parts computed before the product, as `gate = self.gate_proj(x)`, go with it.
+        # Parts bound to locals before the product (`gate = self.gate_proj(x)`) go.
         pattern = [e for e in (act, *calls) if e is not None]
-        bindings = []
+        bindings: list[ast.stmt] = []
         for part in pattern:
             if not _inside(part, product):
                 binding = _single_use_binding(rewrite, part, [product, *pattern])
@@ -159,13 +173,13 @@ class GLUFuser(StackedFuser):
                     bindings.append(binding)
         for binding in bindings:
             rewrite.remove(binding)
-        rewrite.replace(
-            product,
-            fx_utils.parse_expression(f"self.{self.activation_name}(self.{self.fused_name}({x.id}))"),
-        )
+        fused = f"self.{self.activation_name}(self.{self.fused_name}({x}))"
+        rewrite.replace(product, fx_utils.parse_expression(fused))
         self.fused_forward = rewrite.compile()
 
-    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+    def update_attrs(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> None:
         gate, up = (getattr(module, name) for name in self.shards)
         merged = MergedColumnParallelLinear(
             input_size=gate.in_features,
@@ -183,25 +197,33 @@ class GLUFuser(StackedFuser):
 
     def info(self, name: str, module: nn.Module) -> str:
         act = type(getattr(module, self.activation_name)).__name__
-        return f"{super().info(name, module)} + {act}; {self.down_name} -> RowParallelLinear"
+        fused = super().info(name, module)
+        return f"{fused} + {act}; {self.down_name} -> RowParallelLinear"
 
 
 def _inside(node: ast.AST, outer: ast.AST) -> bool:
     return any(n is node for n in ast.walk(outer))
 
 
-def _single_use_binding(rewrite: ForwardRewrite, part: ast.expr, users: list[ast.AST]) -> ast.stmt:
-    """The statement `name = <part>` binding a part of the pattern to a name read
-    once, by another part of it; anything else keeps the part alive."""
+def _single_use_binding(
+    rewrite: ForwardRewrite, part: ast.expr, pattern: list[ast.AST]
+) -> ast.stmt:
+    """The statement `name = <part>` binding a part of the pattern to a local read
+    once, by another part of it; anything else would keep the part alive."""
     statement = rewrite.statement(part)
     target = statement.targets[0] if isinstance(statement, ast.Assign) else None
     if (
         not isinstance(target, ast.Name)
         or len(statement.targets) != 1
-        or not any(statement.value is p for p in users)
+        or not any(statement.value is p for p in pattern)
     ):
-        raise FusionDeclined(f"`{ast.unparse(statement).strip()}` keeps a part of the gated product")
+        source = ast.unparse(statement).strip()
+        raise FusionDeclined(f"`{source}` keeps a part of the gated product")
     reads = rewrite.loads(target.id)
-    if len(rewrite.stores(target.id)) != 1 or len(reads) != 1 or not any(_inside(reads[0], u) for u in users if u is not part):
+    if (
+        len(rewrite.stores(target.id)) != 1
+        or len(reads) != 1
+        or not any(_inside(reads[0], p) for p in pattern if p is not part)
+    ):
         raise FusionDeclined(f"`{target.id}` is read outside the gated product")
     return statement

@@ -19,10 +19,11 @@ from vllm.model_executor.models.transformers.fusers.qkv import (
     HEAD_SIZE_ATTRIBUTES,
     NUM_HEADS_ATTRIBUTES,
     HeadLayout,
+    PerInstanceHeads,
     attention_roles,
+    attribute_holding,
     called_once,
     heads_at,
-    holding,
     output_projection,
     resolve,
     row_parallel,
@@ -38,30 +39,70 @@ _KEEPS_LAST_DIM = ("unsqueeze", "contiguous")
 """What may stand between the packed linear and its split: neither moves features
 across the last dimension."""
 
+Parts = tuple[list[fx.Node], list[fx.Node]]
+"""The q, k, v parts of a packed output, and the nodes splitting it (one split or
+chunk call, or the three slices)."""
+
 
 def _last_dim(dim: object, tensor: torch.Tensor) -> bool:
     return isinstance(dim, int) and dim in (-1, tensor.ndim - 1)
 
 
-def _slice_of_last_dim(index: object, tensor: torch.Tensor) -> slice | None:
+def _slice_of_last_dim(node: fx.Node, tensor: torch.Tensor) -> slice | None:
     """`s` for `x[..., s]` or `x[:, :, s]`, with `s` a step-free constant slice."""
+    index = node.args[1] if fx_utils.op_name(node) == "getitem" else None
     if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
         return None
     leading, last = index[:-1], index[-1]
-    whole = slice(None)
-    if leading not in ((Ellipsis,), (whole,) * (tensor.ndim - 1)):
+    if leading not in ((Ellipsis,), (slice(None),) * (tensor.ndim - 1)):
         return None
-    if last.step is not None or not all(b is None or isinstance(b, int) for b in (last.start, last.stop)):
+    bounds = (last.start, last.stop)
+    if last.step is not None or not all(
+        b is None or isinstance(b, int) for b in bounds
+    ):
         return None
     return last
 
 
-def packed_parts(packed: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
-    """The parts `packed`'s output is split into along its last dimension, and the
-    nodes doing the split (one split/chunk, or one slice per part); or why the
+def _split_call_parts(split: fx.Node, tensor: torch.Tensor) -> Parts | str:
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None)
+    pieces = fx_utils.value(split)
+    if not _last_dim(dim, tensor) or not isinstance(pieces, tuple) or len(pieces) != 3:
+        return f"{split.target} is not into three along the last dimension"
+    parts = sorted(split.users, key=lambda n: str(n.args[1:]))
+    if [(fx_utils.op_name(p), p.args[1]) for p in parts] != [
+        ("getitem", i) for i in range(3)
+    ]:
+        return "the split is not taken apart into its three parts"
+    return parts, [split]
+
+
+def _slice_parts(users: list[fx.Node], tensor: torch.Tensor) -> Parts | str | None:
+    """The parts when `users` are three slices of the last dimension, `None` when
+    they are not slices."""
+    slices = [_slice_of_last_dim(user, tensor) for user in users]
+    if len(users) != 3 or None in slices:
+        return None
+    ordered = sorted(zip(users, slices), key=lambda pair: pair[1].start or 0)
+    starts = [s.start or 0 for _, s in ordered]
+    stops = [s.stop for _, s in ordered]
+    if (
+        starts[0] != 0
+        or stops[:2] != starts[1:]
+        or stops[2] not in (None, tensor.shape[-1])
+    ):
+        return "the three slices do not cover the packed output once, in order"
+    parts = [user for user, _ in ordered]
+    return parts, parts
+
+
+def packed_parts(packed: fx.Node) -> Parts | str:
+    """The parts `packed`'s output is split into along its last dimension, or why the
     packing cannot be proven."""
     node = packed
-    while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(user) in _KEEPS_LAST_DIM:
+    while (user := fx_utils.single_user(node)) is not None and (
+        fx_utils.op_name(user) in _KEEPS_LAST_DIM
+    ):
         dims = user.args[1:] or tuple(user.kwargs.values())
         if user.target == "unsqueeze" and _last_dim(dims[0], fx_utils.value(user)):
             break
@@ -71,25 +112,9 @@ def packed_parts(packed: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
         return "the shape of the packed output is unknown"
     users = list(node.users)
     if len(users) == 1 and fx_utils.op_name(users[0]) in ("split", "chunk"):
-        (split,) = users
-        dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else None)
-        pieces = fx_utils.value(split)
-        parts = sorted(split.users, key=lambda n: str(n.args[1:]))
-        if not _last_dim(dim, tensor) or not isinstance(pieces, tuple) or len(pieces) != 3:
-            return f"{split.target} is not into three along the last dimension"
-        if [(fx_utils.op_name(p), p.args[1]) for p in parts] != [("getitem", i) for i in range(3)]:
-            return "the split is not taken apart into its three parts"
-        return parts, [split]
-    slices = [_slice_of_last_dim(u.args[1], tensor) if fx_utils.op_name(u) == "getitem" else None for u in users]
-    if len(users) == 3 and all(s is not None for s in slices):
-        ordered = sorted(zip(users, slices), key=lambda pair: pair[1].start or 0)
-        bounds = [s.start or 0 for _, s in ordered] + [ordered[-1][1].stop]
-        if bounds[-1] not in (None, tensor.shape[-1]) or any(
-            s.stop != start for (_, s), start in zip(ordered, bounds[1:-1])
-        ):
-            return "the three slices do not cover the packed output once, in order"
-        parts = [u for u, _ in ordered]
-        return parts, parts
+        return _split_call_parts(users[0], tensor)
+    if (sliced := _slice_parts(users, tensor)) is not None:
+        return sliced
     ops = ", ".join(sorted({str(fx_utils.op_name(u)) for u in users}))
     return (
         f"the packed output goes through {ops} before it is taken apart (for instance "
@@ -98,7 +123,7 @@ def packed_parts(packed: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | str:
 
 
 @dataclass
-class PackedQKVFuser(RewriteFuser):
+class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
     """`q, k, v = split(qkv(x))` (slices, `.split`, `.chunk` of the last dimension) ->
     the same split of a `QKVParallelLinear`, by its per-rank sizes, loading the packed
     tensor; the output projection becomes a `RowParallelLinear`.
@@ -115,7 +140,7 @@ class PackedQKVFuser(RewriteFuser):
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 2
+        return fx_utils.linear_children(module) >= 2
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
@@ -132,10 +157,13 @@ class PackedQKVFuser(RewriteFuser):
             return cls.decline(module, found)
         parts, splits = found
         for role, part, name in zip(roles, parts, ("query", "key", "value")):
-            if role is not part and fx_utils.upstream(role, lambda n: n in parts) != {part}:
+            if role is not part and fx_utils.upstream(role, lambda n: n in parts) != {
+                part
+            }:
                 return cls.decline(
-                    module, f"the attention's {name} is not the packed output's "
-                    f"{name[0]} part (QKVParallelLinear packs q, k, v in this order)"
+                    module,
+                    f"the attention's {name} is not the packed output's "
+                    f"{name[0]} part (QKVParallelLinear packs q, k, v in this order)",
                 )
         query = heads_at(roles[0])
         if query is None:
@@ -148,12 +176,15 @@ class PackedQKVFuser(RewriteFuser):
             return cls.decline(module, str(reason))
         if layout.v_head_size != head_size:
             return cls.decline(module, "value heads differ in size from query heads")
-        head_size_attribute = holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
-        num_heads_attribute = holding(module, NUM_HEADS_ATTRIBUTES, layout.num_heads)
+        head_size_attribute = attribute_holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
+        num_heads_attribute = attribute_holding(
+            module, NUM_HEADS_ATTRIBUTES, layout.num_heads
+        )
         if head_size_attribute is None or num_heads_attribute is None:
             return cls.decline(
-                module, f"no attributes hold the head size {head_size} and head count "
-                f"{layout.num_heads}"
+                module,
+                f"no attributes hold the head size {head_size} and head count "
+                f"{layout.num_heads}",
             )
         output = output_projection(graph, module)
         if isinstance(output, str):
@@ -171,49 +202,41 @@ class PackedQKVFuser(RewriteFuser):
         width split evenly between keys and values."""
         head_size = resolve(module, self.head_size_attribute)
         q_size = resolve(module, self.num_heads_attribute) * head_size
-        kv_size, odd = divmod(getattr(module, self.packed_name).out_features - q_size, 2)
+        kv_size, odd = divmod(
+            getattr(module, self.packed_name).out_features - q_size, 2
+        )
         if odd:
             raise FusionDeclined("the packed width leaves keys and values unequal")
         return HeadLayout.of(q_size, kv_size, kv_size, head_size)
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
-        try:
-            self.layout(module).check_divides(vllm_config.parallel_config.tensor_parallel_size)
-        except FusionDeclined as reason:
-            logger.info("Not fusing %s in this %s: %s", self.packed_name, type(module).__name__, reason)
-            return False
-        return True
-
     def update_forward(self, module: nn.Module) -> None:
+        # Each rank holds its own q, k and v heads: split by the fused layer's sizes.
         rewrite = ForwardRewrite(type(module))
         splits = [rewrite.expression_at(span) for span in self.split_spans]
-        sizes = fx_utils.parse_expression(f"self.{self.packed_name}.output_partition_sizes")
+        sizes = f"self.{self.packed_name}.output_partition_sizes"
         if len(splits) == 1:
-            call = splits[0]
-            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
-                raise FusionDeclined("the split of the packed output is not a call in forward")
-            on_torch = isinstance(call.func.value, ast.Name) and (
-                rewrite.function.__globals__.get(call.func.value.id) is torch
-            )
-            receiver = call.args[0] if on_torch else call.func.value
-            positional_dim = call.args[2:3] if on_torch else call.args[1:2]
-            dim = next((k.value for k in call.keywords if k.arg == "dim"), None)
-            dim = dim or (positional_dim[0] if positional_dim else None)
-            if dim is None:
-                raise FusionDeclined("the split of the packed output names no dimension")
+            (call,) = splits
+            receiver, dim = _split_call(call, rewrite.function.__globals__)
             rewrite.replace(call, _split(receiver, sizes, dim))
         else:
             for index, subscript in enumerate(splits):
                 if not isinstance(subscript, ast.Subscript):
                     raise FusionDeclined("the packed output is not sliced in forward")
                 part = _split(subscript.value, sizes, ast.Constant(-1))
-                rewrite.replace(subscript, ast.Subscript(part, ast.Constant(index), ast.Load()))
+                rewrite.replace(
+                    subscript, ast.Subscript(part, ast.Constant(index), ast.Load())
+                )
         self.fused_forward = rewrite.compile()
 
-    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+    def update_attrs(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> None:
         packed = getattr(module, self.packed_name)
         qkv = self.layout(module).qkv_linear(
-            packed.in_features, packed.bias is not None, f"{prefix}.{self.packed_name}", vllm_config
+            packed.in_features,
+            packed.bias is not None,
+            f"{prefix}.{self.packed_name}",
+            vllm_config,
         )
         setattr(module, self.packed_name, qkv)
         row_parallel(module, self.output_name, prefix, vllm_config)
@@ -231,8 +254,28 @@ class PackedQKVFuser(RewriteFuser):
         )
 
 
-def _split(tensor: ast.expr, sizes: ast.expr, dim: ast.expr) -> ast.Call:
+def _split_call(call: ast.AST, namespace: dict) -> tuple[ast.expr, ast.expr]:
+    """The tensor and the dim of `x.split(...)`, `x.chunk(...)` or `torch.split(x,
+    ...)`; `namespace` tells which name is `torch`."""
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+        raise FusionDeclined("the split of the packed output is not a call in forward")
+    function = call.func.value
+    on_torch = isinstance(function, ast.Name) and namespace.get(function.id) is torch
+    receiver, rest = (
+        (call.args[0], call.args[2:]) if on_torch else (function, call.args[1:])
+    )
+    dim = next(
+        (k.value for k in call.keywords if k.arg == "dim"), rest[0] if rest else None
+    )
+    if dim is None:
+        raise FusionDeclined("the split of the packed output names no dimension")
+    return receiver, dim
+
+
+def _split(tensor: ast.expr, sizes: str, dim: ast.expr) -> ast.Call:
     """`<tensor>.split(<sizes>, dim=<dim>)`."""
     return ast.Call(
-        ast.Attribute(tensor, "split", ast.Load()), [sizes], [ast.keyword("dim", dim)]
+        ast.Attribute(tensor, "split", ast.Load()),
+        [fx_utils.parse_expression(sizes)],
+        [ast.keyword("dim", dim)],
     )

@@ -2,7 +2,6 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Separate query, key and value projections, stacked into one `QKVParallelLinear`."""
 
-import ast
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
@@ -24,22 +23,37 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-HEAD_SIZE_ATTRIBUTES = ("head_dim", "head_size", "attention_head_size", "config.head_dim")
-NUM_HEADS_ATTRIBUTES = ("num_heads", "num_attention_heads", "config.num_attention_heads")
+HEAD_SIZE_ATTRIBUTES = (
+    "head_dim",
+    "head_size",
+    "attention_head_size",
+    "config.head_dim",
+)
+NUM_HEADS_ATTRIBUTES = (
+    "num_heads",
+    "num_attention_heads",
+    "config.num_attention_heads",
+)
 """Where attention modules keep their head size and query head count. The dataflow
 gives both for the traced instance; the attribute holding the same value is what
 every other instance of the class is read from."""
 
 
 def resolve(module: nn.Module, path: str) -> object:
+    """`module.<path>` for a dotted `path`, `None` where an attribute is missing."""
     for name in path.split("."):
         module = getattr(module, name, None)
     return module
 
 
-def holding(module: nn.Module, paths: tuple[str, ...], value: int) -> str | None:
-    """The first attribute path of `module` holding the integer `value`."""
-    return next((p for p in paths if type(resolve(module, p)) is int and resolve(module, p) == value), None)
+def attribute_holding(
+    module: nn.Module, paths: tuple[str, ...], value: int
+) -> str | None:
+    """The first of `paths` at which `module` holds the integer `value`."""
+    return next(
+        (p for p in paths if type(held := resolve(module, p)) is int and held == value),
+        None,
+    )
 
 
 @dataclass(frozen=True)
@@ -53,11 +67,12 @@ class HeadLayout:
 
     @classmethod
     def of(cls, q_size: int, k_size: int, v_size: int, head_size: int) -> "HeadLayout":
-        """The layout of projections of these widths, or `FusionDeclined` saying why
-        they are not whole heads."""
+        """The layout of projections of these widths; `FusionDeclined` saying why
+        when they are not whole heads."""
         if head_size <= 0 or q_size % head_size or k_size % head_size:
             raise FusionDeclined(
-                f"query width {q_size} and key width {k_size} are not whole heads of {head_size}"
+                f"query width {q_size} and key width {k_size} are not whole heads "
+                f"of {head_size}"
             )
         num_heads, num_kv_heads = q_size // head_size, k_size // head_size
         if num_heads % num_kv_heads or v_size % num_kv_heads:
@@ -72,7 +87,8 @@ class HeadLayout:
         kv, heads = self.num_kv_heads, self.num_heads
         if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
             raise FusionDeclined(
-                f"{heads} query / {kv} key-value heads do not split over {tp_size} ranks"
+                f"{heads} query / {kv} key-value heads do not split over "
+                f"{tp_size} ranks"
             )
 
     def qkv_linear(
@@ -89,6 +105,28 @@ class HeadLayout:
             return_bias=False,
             v_head_size=self.v_head_size,
         )
+
+
+class PerInstanceHeads:
+    """What the fusers building a `QKVParallelLinear` share: each instance reads its
+    own heads, and takes the fusion only if they split over the TP ranks."""
+
+    def layout(self, module: nn.Module) -> HeadLayout:
+        raise NotImplementedError
+
+    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        try:
+            self.layout(module).check_divides(tp_size)
+        except FusionDeclined as reason:
+            logger.info(
+                "%s: not fused in this %s: %s",
+                type(self).__name__,
+                type(module).__name__,
+                reason,
+            )
+            return False
+        return True
 
 
 def heads_at(node: fx.Node) -> torch.Tensor | None:
@@ -120,15 +158,18 @@ def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str:
     return output
 
 
-def row_parallel(module: nn.Module, name: str, prefix: str, vllm_config: "VllmConfig") -> None:
+def row_parallel(
+    module: nn.Module, name: str, prefix: str, vllm_config: "VllmConfig"
+) -> None:
     """Swap `module.<name>` for a row-parallel linear: it reads what a column-parallel
     fusion leaves sharded across ranks."""
-    linear = getattr(module, name)
-    setattr(
-        module,
-        name,
-        replace_linear_class(linear, "rowwise", vllm_config.quant_config, prefix=f"{prefix}.{name}"),
+    linear = replace_linear_class(
+        getattr(module, name),
+        "rowwise",
+        vllm_config.quant_config,
+        prefix=f"{prefix}.{name}",
     )
+    setattr(module, name, linear)
 
 
 def called_once(graph: fx.Graph, names: list[str]) -> str | None:
@@ -144,7 +185,7 @@ def called_once(graph: fx.Graph, names: list[str]) -> str | None:
 
 
 @dataclass
-class QKVFuser(StackedFuser):
+class QKVFuser(PerInstanceHeads, StackedFuser):
     """`q_proj(x), k_proj(x), v_proj(x)` -> `qkv_proj(x).split(sizes)` with `qkv_proj`
     a `QKVParallelLinear`; the output projection becomes a `RowParallelLinear`.
 
@@ -158,7 +199,7 @@ class QKVFuser(StackedFuser):
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
-        return sum(isinstance(c, nn.Linear) for c in module.children()) >= 3
+        return fx_utils.linear_children(module) >= 3
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
@@ -195,20 +236,23 @@ class QKVFuser(StackedFuser):
         if query is None or key is None or value is None:
             return cls.decline(module, "the head size at the attention call is unknown")
         head_size = query.shape[-1]
+        widths = [m.out_features for m in (q_mod, k_mod, v_mod)]
         try:
-            layout = HeadLayout.of(q_mod.out_features, k_mod.out_features, v_mod.out_features, head_size)
+            HeadLayout.of(*widths, head_size)
         except FusionDeclined as reason:
             return cls.decline(module, str(reason))
-        for role, at_call, width in zip("qkv", (query, key, value), (q_mod, k_mod, v_mod)):
-            if at_call.shape[1] * at_call.shape[-1] != width.out_features:
+        for role, at_call, width in zip("qkv", (query, key, value), widths):
+            if at_call.shape[1] * at_call.shape[-1] != width:
                 return cls.decline(
                     module,
-                    f"{role} is {width.out_features} wide but the attention gets "
+                    f"{role} is {width} wide but the attention gets "
                     f"{at_call.shape[1]} heads of {at_call.shape[-1]}",
                 )
         if key.shape[-1] != head_size:
-            return cls.decline(module, f"key heads of {key.shape[-1]}, query heads of {head_size}")
-        head_size_attribute = holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
+            return cls.decline(
+                module, f"key heads of {key.shape[-1]}, query heads of {head_size}"
+            )
+        head_size_attribute = attribute_holding(module, HEAD_SIZE_ATTRIBUTES, head_size)
         if head_size_attribute is None:
             return cls.decline(module, f"no attribute holds the head size {head_size}")
         output = output_projection(graph, module)
@@ -223,46 +267,24 @@ class QKVFuser(StackedFuser):
         )
 
     def layout(self, module: nn.Module) -> HeadLayout:
-        """This instance's heads: its head size attribute over its projections' widths."""
+        """This instance's heads: its head size attribute over its projections."""
         q, k, v = (getattr(module, name).out_features for name in self.shards)
         return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
-        try:
-            self.layout(module).check_divides(vllm_config.parallel_config.tensor_parallel_size)
-        except FusionDeclined as reason:
-            logger.info("Not fusing %s in this %s: %s", self.fused_name, type(module).__name__, reason)
-            return False
-        return True
-
     def update_forward(self, module: nn.Module) -> None:
         rewrite = ForwardRewrite(type(module))
-        calls = [rewrite.self_call(self.call_spans[name], name) for name in self.shards]
-        for name in self.shards:
-            rewrite.expect_single_use(name)
-        x = calls[0].args[0]
-        if not isinstance(x, ast.Name) or any(ast.dump(c.args[0]) != ast.dump(x) for c in calls):
-            raise FusionDeclined("the projections are not applied to one local name")
-        if not rewrite.holds_one_value(x.id, calls):
-            raise FusionDeclined(f"`{x.id}` changes between the projections")
-        block, first, _ = rewrite.region(calls)
-        outputs = [rewrite.fresh_name(f"{name}_out") for name in self.shards]
-        fused = self.fused_name
-        rewrite.insert_before(
-            block[first],
-            ast.parse(
-                f"{', '.join(outputs)} = self.{fused}({x.id})"
-                f".split(self.{fused}.output_partition_sizes, dim=-1)"
-            ).body[0],
-        )
-        for call, output in zip(calls, outputs):
-            rewrite.replace(call, ast.Name(output, ast.Load()))
+        rewrite.stack_calls(self.call_spans, self.fused_name)
         self.fused_forward = rewrite.compile()
 
-    def update_attrs(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> None:
+    def update_attrs(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> None:
         q = getattr(module, next(iter(self.shards)))
         qkv = self.layout(module).qkv_linear(
-            q.in_features, q.bias is not None, f"{prefix}.{self.fused_name}", vllm_config
+            q.in_features,
+            q.bias is not None,
+            f"{prefix}.{self.fused_name}",
+            vllm_config,
         )
         for name in self.shards:
             delattr(module, name)

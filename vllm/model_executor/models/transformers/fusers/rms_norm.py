@@ -26,7 +26,9 @@ def _uncast(node: object) -> object:
 
 def _past_casts(node: fx.Node) -> fx.Node:
     """`node`, or the last of a chain of casts applied to it."""
-    while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(user) in _CASTS:
+    while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(
+        user
+    ) in _CASTS:
         node = user
     return node
 
@@ -72,14 +74,21 @@ class _Core:
 
 def _rms_core(graph: fx.Graph) -> _Core | None:
     for rsqrt in graph.nodes:
-        if fx_utils.op_name(rsqrt) != "rsqrt" or fx_utils.op_name(rsqrt.args[0]) != "add":
+        if (
+            fx_utils.op_name(rsqrt) != "rsqrt"
+            or fx_utils.op_name(rsqrt.args[0]) != "add"
+        ):
             continue
         add = rsqrt.args[0]
         mean = next((a for a in add.args[:2] if fx_utils.op_name(a) == "mean"), None)
         if mean is None:
             continue
         for normalised in rsqrt.users:
-            x = _other(normalised, rsqrt) if fx_utils.op_name(normalised) == "mul" else None
+            x = (
+                _other(normalised, rsqrt)
+                if fx_utils.op_name(normalised) == "mul"
+                else None
+            )
             if isinstance(x, fx.Node) and _is_square_of(mean.args[0], x):
                 return _Core(x, normalised, _other(add, mean), mean)
     return None
@@ -116,7 +125,9 @@ class RMSNormFuser(BaseFuser):
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
         if graph is None:
             return None
-        functional = next((n for n in graph.nodes if fx_utils.op_name(n) == "rms_norm"), None)
+        functional = next(
+            (n for n in graph.nodes if fx_utils.op_name(n) == "rms_norm"), None
+        )
         if functional is not None:
             return cls._functional(graph, module, functional)
         core = _rms_core(graph)
@@ -127,9 +138,13 @@ class RMSNormFuser(BaseFuser):
             return cls.decline(module, "it does not normalise its first input")
         dim, keepdim = _mean_dim(core.mean)
         if dim not in (-1, fx_utils.value(core.x).ndim - 1) or keepdim is not True:
-            return cls.decline(module, f"the mean is over dim={dim} (keepdim={keepdim}), not the last")
+            return cls.decline(
+                module, f"the mean is over dim={dim} (keepdim={keepdim}), not the last"
+            )
         if _dtype(core.normalised) != torch.float32:
-            return cls.decline(module, "it normalises in the input dtype; vLLM normalises in float32")
+            return cls.decline(
+                module, "it normalises in the input dtype; vLLM normalises in float32"
+            )
         output = fx_utils.returned(graph)
         if output is None:
             return cls.decline(module, "tracing stopped before the output")
@@ -138,7 +153,17 @@ class RMSNormFuser(BaseFuser):
             return cls.decline(module, "it has no weight")
         scaled = fx_utils.single_user(normalised)
         if fx_utils.op_name(scaled) != "mul" or _past_casts(scaled) is not output:
-            return cls.decline(module, "something other than a weight follows the normalisation")
+            return cls.decline(
+                module, "something other than a weight follows the normalisation"
+            )
+        if _dtype(scaled) not in (fx_utils.PROBE_DTYPE, torch.float32) or (
+            _dtype(normalised) != _dtype(scaled)
+        ):
+            return cls.decline(
+                module,
+                f"the weight is applied in {_dtype(scaled)} to a value rounded to "
+                f"{_dtype(normalised)}, which no vLLM norm does",
+            )
         weight_term = _uncast(_other(scaled, normalised))
         gemma = fx_utils.op_name(weight_term) == "add"
         if gemma:
@@ -150,29 +175,44 @@ class RMSNormFuser(BaseFuser):
             weight = _uncast(weight)
             if _dtype(weight_term) != torch.float32 or _dtype(scaled) != torch.float32:
                 return cls.decline(
-                    module, "(1 + weight) is not applied in float32, as vLLM's GemmaRMSNorm does"
+                    module,
+                    "(1 + weight) is not applied in float32, as GemmaRMSNorm does",
                 )
         else:
             weight = weight_term
         if reason := cls._weight_reason(weight, fx_utils.value(core.x)):
             return cls.decline(module, reason)
         if _dtype(output) != fx_utils.PROBE_DTYPE:
-            return cls.decline(module, f"it returns {_dtype(output)}, not its input's dtype")
+            return cls.decline(
+                module, f"it returns {_dtype(output)}, not its input's dtype"
+            )
         return cls._with_eps(
-            module, core.eps, gemma=gemma, weight_in_float32=_dtype(scaled) == torch.float32
+            module,
+            core.eps,
+            gemma=gemma,
+            weight_in_float32=_dtype(scaled) == torch.float32,
         )
 
     @classmethod
-    def _functional(cls, graph: fx.Graph, module: nn.Module, node: fx.Node) -> Self | None:
+    def _functional(
+        cls, graph: fx.Graph, module: nn.Module, node: fx.Node
+    ) -> Self | None:
         """`torch.rms_norm(x, (width,), self.weight, eps)`."""
         x, shape, weight, eps = (*node.args, None, None, None)[:4]
         weight, eps = node.kwargs.get("weight", weight), node.kwargs.get("eps", eps)
-        if x.op != "placeholder" or fx_utils.returned(graph) not in (node, _past_casts(node)):
+        if x.op != "placeholder" or fx_utils.returned(graph) not in (
+            node,
+            _past_casts(node),
+        ):
             return cls.decline(module, "rms_norm is not all the module computes")
         if not isinstance(shape, list | tuple) or len(shape) != 1:
-            return cls.decline(module, f"rms_norm normalises over {shape}, not the last dim")
+            return cls.decline(
+                module, f"rms_norm normalises over {shape}, not the last dim"
+            )
         if eps is None:
-            return cls.decline(module, "rms_norm takes its dtype's eps, which vLLM does not")
+            return cls.decline(
+                module, "rms_norm takes its dtype's eps, which vLLM does not"
+            )
         if weight is None:
             return cls.decline(module, "it has no weight")
         if reason := cls._weight_reason(weight, fx_utils.value(x)):
@@ -201,11 +241,19 @@ class RMSNormFuser(BaseFuser):
         ]
         if len(holders) > 1:
             return cls.decline(module, f"eps={eps} could be any of {holders}")
-        return cls(eps_attribute=holders[0] if holders else None, eps=float(eps), **numerics)
+        return cls(
+            eps_attribute=holders[0] if holders else None, eps=float(eps), **numerics
+        )
 
-    def fuse(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> nn.Module:
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
         hidden_size = module.weight.shape[0]
-        eps = float(getattr(module, self.eps_attribute)) if self.eps_attribute else self.eps
+        eps = (
+            float(getattr(module, self.eps_attribute))
+            if self.eps_attribute
+            else self.eps
+        )
         if self.gemma:
             return GemmaRMSNorm(hidden_size, eps)
         # Built under the model's dtype: a weight applied in float32 is kept at least
