@@ -99,6 +99,16 @@ COMMON: dict[str, Any] = dict(
 SLIDING_WINDOW = 8
 """Shorter than every prompt but one plus `MAX_TOKENS`: the window changes the output."""
 
+MLA: dict[str, Any] = dict(
+    num_key_value_heads=4,  # DeepSeek expands the latent to every head
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    n_routed_experts=0,
+    first_k_dense_replace=COMMON["num_hidden_layers"],
+)
+"""What the DeepSeek (MLA) recipes share."""
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": dict(sliding_window=SLIDING_WINDOW),
@@ -133,6 +143,14 @@ ARCHS: dict[str, dict[str, Any]] = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
         use_parallel_residual=True,
     ),
+    # DeepSeek-V3 latent attention (MLA) with query LoRA, interleaved rotary. The CPU
+    # MLA kernels need kv_lora_rank=512 and qk_rope_head_dim=64; heads of 64 + 64
+    # (what plain attention gets with VLLM_MLA_DISABLE=1) and values of 64 (padded
+    # there). Dense MLPs only (no experts: MoE is another backend class).
+    "deepseek_v3": dict(**MLA, q_lora_rank=96, v_head_dim=64),
+    # DeepSeek-V2: MLA without query LoRA (one `q_proj`), complex rotary, values as
+    # wide as query/key heads.
+    "deepseek_v2": dict(**MLA, q_lora_rank=None, v_head_dim=128),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 
@@ -177,7 +195,8 @@ def overrides(model_type: str) -> dict[str, Any]:
     merged = {**COMMON, **ARCHS[model_type]}
     std = INITS.get(model_type, Init()).std
     merged["init_std" if model_type == "opt" else "initializer_range"] = std
-    return {k: v for k, v in merged.items() if v is not None}
+    # `None` drops a common key; for any other key it is the value (q_lora_rank=None).
+    return {k: v for k, v in merged.items() if v is not None or k not in COMMON}
 
 
 def fingerprint(model_type: str) -> str:
@@ -216,6 +235,13 @@ def make_tokenizer():
         pad_token=PAD,
         model_max_length=MAX_MODEL_LEN,
     )
+
+
+def _quiet_transformers() -> None:
+    """No progress bars from Transformers (loading and saving tiny models is instant)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _random_model(model_type: str, seed: int):
@@ -270,6 +296,7 @@ def build(model_type: str, *, force: bool = False) -> Path:
         except (OSError, ValueError):
             pass
 
+    _quiet_transformers()
     prompt_ids = encode(None, PROMPTS)
     best = (float("-inf"), None)
     for seed in range(SEED, SEED + MAX_SEED_TRIES):
@@ -395,6 +422,7 @@ def reference(
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager", **config_changes
@@ -426,6 +454,9 @@ class EngineRun:
     """Per worker: what `_probe` saw inside the worker process (when asked)."""
     seconds: float
     log: str
+    kv_cache: list[dict[str, dict[str, Any]]] | None = None
+    """Per worker: the KV cache spec of each attention layer, as the engine sizes its
+    cache from it (`_kv_cache_probe`, when asked)."""
 
 
 def run_engine(
@@ -439,12 +470,16 @@ def run_engine(
     probe: bool = False,
     llm_kwargs: dict[str, Any] | None = None,
     timeout: float = 600,
+    kv_cache: bool = False,
+    extra_env: dict[str, str] | None = None,
 ) -> EngineRun:
     """Start `vllm.LLM` in a subprocess, generate greedily with logprobs, return it.
 
     `backend` sets `VLLM_TRANSFORMERS_BACKEND` (`"project"` or `"stock"`); with
     `tensor_parallel_size=2` each worker is bound to its own core. `probe` also runs
-    `_probe` on the model inside each worker (`LLM.apply_model`)."""
+    `_probe` on the model inside each worker (`LLM.apply_model`); `kv_cache` reads
+    each worker's KV cache spec (`_kv_cache_probe`). `extra_env` is added to the
+    engine's environment (e.g. `VLLM_MLA_DISABLE=1`)."""
     spec = dict(
         model=str(path),
         prompt_token_ids=encode(path, prompts),
@@ -452,6 +487,7 @@ def run_engine(
         tensor_parallel_size=tensor_parallel_size,
         max_tokens=max_tokens,
         probe=probe,
+        kv_cache=kv_cache,
         llm_kwargs=llm_kwargs or {},
     )
     env = dict(os.environ)
@@ -464,6 +500,7 @@ def run_engine(
         [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
     )
     env.pop("PYTEST_CURRENT_TEST", None)
+    env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="tiny-engine-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
@@ -493,6 +530,7 @@ def run_engine(
     return EngineRun(
         completions=[Completion(**c) for c in out["completions"]],
         probe=out["probe"],
+        kv_cache=out.get("kv_cache"),
         seconds=seconds,
         log=log,
     )
@@ -541,6 +579,23 @@ def _probe(model) -> dict[str, Any]:
     )
 
 
+def _kv_cache_probe(worker) -> dict[str, dict[str, Any]]:
+    """Runs inside a vLLM worker (`collective_rpc`): the KV cache spec the engine
+    allocates each attention layer's cache from, per layer name."""
+    specs = {}
+    for name, spec in worker.get_kv_cache_spec().items():
+        specs[name] = dict(
+            type=type(spec).__name__,
+            block_size=spec.block_size,
+            page_size_bytes=spec.page_size_bytes,
+            bytes_per_token=spec.page_size_bytes // spec.block_size,
+            num_kv_heads=getattr(spec, "num_kv_heads", None),
+            head_size=getattr(spec, "head_size", None),
+            dtype=str(getattr(spec, "dtype", None)),
+        )
+    return specs
+
+
 def _engine_main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     from vllm import LLM, SamplingParams
@@ -575,7 +630,10 @@ def _engine_main(spec_file: str, out_file: str) -> None:
     import tiny
 
     probe = llm.apply_model(tiny._probe) if spec["probe"] else None
-    Path(out_file).write_text(json.dumps(dict(completions=completions, probe=probe)))
+    kv_cache = llm.collective_rpc(tiny._kv_cache_probe) if spec.get("kv_cache") else None
+    Path(out_file).write_text(
+        json.dumps(dict(completions=completions, probe=probe, kv_cache=kv_cache))
+    )
     del llm
 
 
