@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -240,6 +241,7 @@ def test_qwen3_attention_with_head_norms_is_fused(equivalent):
         Qwen3Attention(config, layer_idx=0), tokens(), (cos, sin), None
     )
     assert isinstance(applied[0], QKVFuser)
+    assert applied[0].whole_width_norms == ()  # per-head norms split with the heads
 
 
 def test_output_projection_is_found_when_tracing_stops_after_it(equivalent):
@@ -280,6 +282,20 @@ def test_instances_whose_heads_do_not_split_over_tp_ranks_are_not_fused(
     fuser = get_fuser(Attention(heads=3, kv_heads=1), QKVFuser)
     monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
     assert not fuser.validate(Attention(heads=3, kv_heads=1), vllm_config)
+
+
+def test_norms_over_all_heads_keep_the_fusion_off_under_tensor_parallelism(
+    vllm_config, monkeypatch
+):
+    config = AutoConfig.for_model(
+        "olmo2", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2
+    )
+    attention = Olmo2Attention(config, layer_idx=0)
+    fuser = get_fuser(attention, QKVFuser)
+    assert fuser.whole_width_norms == ("q_norm", "k_norm")
+    assert fuser.validate(attention, vllm_config)
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert not fuser.validate(attention, vllm_config)
 
 
 def test_each_instance_reads_its_own_head_layout():

@@ -494,6 +494,25 @@ def downstream(node: fx.Node, stop: Callable[[fx.Node], bool]) -> set[fx.Node]:
     return _reach(node, lambda n: n.users, stop)
 
 
+def _all_reached(
+    start: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]
+) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    frontier = list(step(start))
+    while frontier:
+        node = frontier.pop()
+        if node not in seen:
+            seen.add(node)
+            frontier.extend(step(node))
+    return seen
+
+
+def between(start: fx.Node, end: fx.Node) -> set[fx.Node]:
+    """The nodes on the dataflow from `start` to `end`, `end` included."""
+    after = _all_reached(start, lambda n: n.users)
+    return after & (_all_reached(end, lambda n: n.all_input_nodes) | {end})
+
+
 def _only(nodes: set[fx.Node]) -> fx.Node | None:
     return next(iter(nodes)) if len(nodes) == 1 else None
 

@@ -172,6 +172,15 @@ def row_parallel(
     setattr(module, name, linear)
 
 
+def _spans_heads(node: fx.Node, module: nn.Module, head_size: int) -> bool:
+    """Whether `node` calls a child with weights on features wider than one head."""
+    child = fx_utils.submodule(node, module)
+    if child is None or not any(True for _ in child.parameters()):
+        return False
+    features = fx_utils.value(node.args[0]) if node.args else None
+    return not isinstance(features, torch.Tensor) or features.shape[-1] != head_size
+
+
 def called_once(graph: fx.Graph, names: list[str]) -> str | None:
     """Why the children `names` cannot be fused as called, `None` if each is a direct
     child called once."""
@@ -196,6 +205,9 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
     output_name: str = ""
     head_size_attribute: str = ""
     call_spans: dict[str, Span] = field(default_factory=dict)
+    whole_width_norms: tuple[str, ...] = ()
+    """Children with weights between a projection and the attention that see more
+    than one head at a time (OLMo 2's q/k norms): wrong on one rank's share."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -258,18 +270,39 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         output = output_projection(graph, module)
         if isinstance(output, str):
             return cls.decline(module, output)
+        whole_width_norms = tuple(
+            node.target
+            for linear, role in zip((q, k, v), roles)
+            for node in fx_utils.between(linear, role)
+            if _spans_heads(node, module, head_size)
+        )
         return cls(
             fused_name=fx_utils.merged_name(names, module),
             shards=dict(zip(names, "qkv")),
             output_name=output.target,
             head_size_attribute=head_size_attribute,
             call_spans={n.target: n.meta.get("span") for n in (q, k, v)},
+            whole_width_norms=whole_width_norms,
         )
 
     def layout(self, module: nn.Module) -> HeadLayout:
         """This instance's heads: its head size attribute over its projections."""
         q, k, v = (getattr(module, name).out_features for name in self.shards)
         return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
+
+    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+        if (
+            self.whole_width_norms
+            and vllm_config.parallel_config.tensor_parallel_size > 1
+        ):
+            logger.info(
+                "QKVFuser: not fused in this %s under tensor parallelism: %s normalise "
+                "all heads together",
+                type(module).__name__,
+                ", ".join(self.whole_width_norms),
+            )
+            return False
+        return super().validate(module, vllm_config)
 
     def update_forward(self, module: nn.Module) -> None:
         rewrite = ForwardRewrite(type(module))
