@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 from vllm.model_executor.models.transformers.fusers.base import (
     DECLINED,
+    BaseFuser,
     Declined,
-    StackedFuser,
 )
+from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
 
 _ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(
     "fusion_report", default=None
@@ -64,7 +65,7 @@ class FusionReport:
     attention: list[AttentionReport] = field(default_factory=list)
     linears: list[LinearReport] = field(default_factory=list)
     fused_projections: int = 0
-    """Original linears now computed inside a merged linear."""
+    """Original linears now computed inside a QKV or merged linear."""
     norms_fused: int = 0
     servable: bool = True
     reason: str | None = None
@@ -75,11 +76,10 @@ class FusionReport:
         for fuser in applied:
             report.applied[fuser] = report.applied.get(fuser, 0) + 1
 
-    def record_fusion(self, fuser: object) -> None:
-        if isinstance(fuser, StackedFuser):
-            self.fused_projections += len(fuser.shards)
-        elif type(fuser).__name__ == "RMSNormFuser":
+    def record_fusion(self, fuser: BaseFuser) -> None:
+        if isinstance(fuser, RMSNormFuser):
             self.norms_fused += 1
+        self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
     def finish(self) -> None:
         """Attach the fusions declined for the classes this model has."""
