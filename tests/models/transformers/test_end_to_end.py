@@ -53,15 +53,27 @@ def reference(model_type: str) -> tuple[tiny.Completion, ...]:
     return tuple(tiny.reference(checkpoint(model_type)))
 
 
-@functools.cache
+_ENGINE_RUNS: dict[tuple, tiny.EngineRun | Exception] = {}
+
+
 def engine(model_type: str, impl: str, tensor_parallel_size: int = 1) -> tiny.EngineRun:
-    """One engine start per (model, implementation, TP), shared by the tests."""
-    return tiny.run_engine(
-        checkpoint(model_type),
-        tensor_parallel_size=tensor_parallel_size,
-        probe=True,
-        **IMPLS[impl],
-    )
+    """One engine start per (model, implementation, TP), shared by the tests; a start
+    that failed is not retried (its error is raised again)."""
+    key = (model_type, impl, tensor_parallel_size)
+    if key not in _ENGINE_RUNS:
+        try:
+            _ENGINE_RUNS[key] = tiny.run_engine(
+                checkpoint(model_type),
+                tensor_parallel_size=tensor_parallel_size,
+                probe=True,
+                **IMPLS[impl],
+            )
+        except Exception as e:
+            _ENGINE_RUNS[key] = e
+    run = _ENGINE_RUNS[key]
+    if isinstance(run, Exception):
+        raise RuntimeError(f"engine {key} failed to run (see its first test)") from run
+    return run
 
 
 def compare(
