@@ -561,6 +561,7 @@ def _probe(model) -> dict[str, Any]:
                 dict(
                     module=name,
                     module_class=type(module).__name__,
+                    attn_class=type(attn).__name__,
                     layer_name=getattr(attn, "layer_name", None),
                     scale=getattr(impl, "scale", None),
                     sliding_window=getattr(impl, "sliding_window", None),

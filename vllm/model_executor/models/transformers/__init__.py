@@ -3,15 +3,20 @@
 """vLLM's Transformers modeling backend: serve a Hugging Face model with vLLM's
 attention, fused tensor-parallel layers and kernels.
 
-Importing this package registers the `"vllm"` attention function with Transformers;
-the backend sets it as the text config's `_attn_implementation`."""
+Importing this package registers the `"vllm"` and `"vllm_mla"` attention functions
+with Transformers; the backend sets one of them as the text config's
+`_attn_implementation` (`"vllm_mla"` when vLLM uses MLA for the model)."""
 
 from transformers import AttentionInterface
 
-from vllm.model_executor.models.transformers.attention import vllm_attention_forward
+from vllm.model_executor.models.transformers.attention import (
+    vllm_attention_forward,
+    vllm_mla_attention_forward,
+)
 from vllm.model_executor.models.transformers.causal import CausalMixin
 
 AttentionInterface.register("vllm", vllm_attention_forward)
+AttentionInterface.register("vllm_mla", vllm_mla_attention_forward)
 
 
 class TransformersForCausalLM(CausalMixin):

@@ -42,7 +42,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
 from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
-from vllm.model_executor.models.transformers.fusers import AttentionFuser
+from vllm.model_executor.models.transformers.fusers import AttentionFuser, MLAFuser
 from vllm.model_executor.models.transformers.loading import CheckpointLayout
 from vllm.model_executor.models.transformers.parallel import (
     decoder_layers,
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 VLLM_ATTENTION = "vllm"
+VLLM_MLA_ATTENTION = "vllm_mla"
 
 
 def log_active_implementation() -> None:
@@ -78,11 +79,13 @@ def log_active_implementation() -> None:
 
 def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
     """The HF causal LM for the model's config, parameters on `meta`, attention
-    dispatching into vLLM."""
+    dispatching into vLLM (its latent attention when vLLM uses MLA for the model)."""
     model_config = vllm_config.model_config
     config = model_config.hf_config
     # Only the text config dispatches into vLLM: a vision tower keeps its own.
-    model_config.hf_text_config._attn_implementation = VLLM_ATTENTION
+    model_config.hf_text_config._attn_implementation = (
+        VLLM_MLA_ATTENTION if model_config.use_mla else VLLM_ATTENTION
+    )
     architectures = getattr(config, "architectures", None) or []
     hf_class = next(
         (getattr(transformers, a) for a in architectures if hasattr(transformers, a)),
@@ -100,6 +103,8 @@ def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
 
 def style_of(linear: LinearBase) -> str:
     """The tensor-parallel style a vLLM linear implements."""
+    if linear.disable_tp:  # a merged linear kept whole on every rank
+        return "replicate"
     if isinstance(linear, ColumnParallelLinear):
         return "colwise"
     if isinstance(linear, RowParallelLinear):
@@ -215,13 +220,14 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
 
     def replace_modules(
         self, tp_plan: dict[str, str] | None
-    ) -> dict[str, tuple[nn.Module, AttentionFuser]]:
+    ) -> dict[str, tuple[nn.Module, AttentionFuser, MLAFuser | None]]:
         """Apply every validated fuser, then swap the remaining HF linears and the vocab
-        embedding for vLLM's. Returns the modules that dispatch attention."""
+        embedding for vLLM's. Returns the modules that dispatch attention (with the
+        latent attention fused in them, if any)."""
         fusers = Fusers(self.model, self.vllm_config)
         plan = tp_plan or {}
         vocab_size = self.text_config.vocab_size
-        attention: dict[str, tuple[nn.Module, AttentionFuser]] = {}
+        attention: dict[str, tuple[nn.Module, AttentionFuser, MLAFuser | None]] = {}
 
         def replace(module: nn.Module, relative: str) -> None:
             for name, child in list(module.named_children()):
@@ -237,7 +243,8 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
                 for fuser in applied:
                     new = fuser.fuse(new, qualname, self.vllm_config)
                     if isinstance(fuser, AttentionFuser):
-                        attention[qualname] = (new, fuser)
+                        mla = next((f for f in applied if isinstance(f, MLAFuser)), None)
+                        attention[qualname] = (new, fuser, mla)
                         continue
                     logger.info(fuser.info(qualname, new))
                     self.report.record_fusion(fuser)

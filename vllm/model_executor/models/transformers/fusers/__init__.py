@@ -9,12 +9,16 @@ from vllm.model_executor.models.transformers.fusers.base import (
     StackedFuser,
 )
 from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
+from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
 from vllm.model_executor.models.transformers.fusers.qkv import QKVFuser
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
 
 # Rewriters first: at most one of them redefines a class's forward.
+# MLA first: a latent attention also has a query and a key/value path that a QKV
+# fuser would otherwise decline.
 FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
+    MLAFuser,
     QKVFuser,
     PackedQKVFuser,
     GLUFuser,
@@ -27,6 +31,7 @@ __all__ = [
     "AttentionFuser",
     "BaseFuser",
     "GLUFuser",
+    "MLAFuser",
     "PackedQKVFuser",
     "QKVFuser",
     "RMSNormFuser",
