@@ -171,6 +171,18 @@ def test_transformers_backend_equals_native():
 
 
 @pytest.mark.engine
+def test_compiled_matches_transformers():
+    """Under vLLM's torch.compile integration (the engine's default; the other engine
+    tests run eager to save time) the backend still equals Transformers."""
+    run = tiny.run_engine(
+        checkpoint("llama"), probe=True, llm_kwargs=dict(enforce_eager=False), **IMPLS["project"]
+    )
+    assert all(worker["compiled"] for worker in run.probe)
+    gap = compare(reference("llama"), run.completions)
+    report("llama (project, compiled) vs Transformers", run, gap)
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("model_type", ["llama", "phi3"])
 def test_tensor_parallel_equals_single(model_type):
     """TP=2 (one core per rank) equals TP=1 and Transformers. Phi3 also splits a

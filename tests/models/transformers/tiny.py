@@ -573,6 +573,8 @@ def _probe(model) -> dict[str, Any]:
         model_class=type(model).__qualname__,
         model_file=inspect.getfile(type(model)),
         package_file=getattr(package, "__file__", None),
+        # vLLM's torch.compile wrapper marks the module it compiled.
+        compiled=bool(getattr(getattr(model, "model", None), "compiled", False)),
         overlay_active=overlay.active(),
         overlay_requested=overlay.requested(),
         project_dir=str(overlay.project_dir()),
