@@ -22,15 +22,18 @@ class BuildWithHook(build_py):
         self.copy_file(str(Path("overlay") / HOOK), str(Path(self.build_lib) / HOOK))
 
     def get_outputs(self, include_bytecode=True):
-        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / HOOK)]
-
-
+        return [
+            *super().get_outputs(include_bytecode),
+            str(Path(self.build_lib) / HOOK),
+        ]
 
 
 def backend_packages() -> list[str]:
     root = Path(BACKEND)
     return [
-        ".".join(("vllm_transformers_overlay.backend", *init.parent.relative_to(root).parts))
+        ".".join(
+            ("vllm_transformers_overlay.backend", *init.parent.relative_to(root).parts)
+        )
         for init in sorted(root.rglob("__init__.py"))
     ]
 

@@ -20,11 +20,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "models" / "transformers"))
 import tiny  # noqa: E402
 
-ATTENTION = re.compile(r"Attention:\s*(?P<module>\S+)\s*\((?P<cls>[^)]*)\)\s*->\s*(?P<rest>.*)")
+ATTENTION = re.compile(
+    r"Attention:\s*(?P<module>\S+)\s*\((?P<cls>[^)]*)\)\s*->\s*(?P<rest>.*)"
+)
 """`Attention: <module> (<class>) -> <attr> [<layer class>] (layer i, scale s, ...)`."""
 NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 DETAIL = {
-    "layer": re.compile(rf"\blayer\s*[=:]?\s*(\d+)"),
+    "layer": re.compile(r"\blayer\s*[=:]?\s*(\d+)"),
     "scale": re.compile(rf"\bscale\s*[=:]?\s*({NUMBER})"),
     "sliding window": re.compile(r"\bsliding[ _]window\s*[=:]?\s*(\w+)"),
     "soft-cap": re.compile(rf"\bsoft[-_ ]?cap\s*[=:]?\s*({NUMBER}|None)"),
@@ -46,7 +48,11 @@ def backend_activity(log: str) -> tuple[list[dict], list[str], list[str]]:
         if m := ATTENTION.search(line):
             rest = m.group("rest")
             target = rest.split("(", 1)[0].strip() or "?"
-            entry = {"module": m.group("module"), "class": m.group("cls"), "attr": target}
+            entry = {
+                "module": m.group("module"),
+                "class": m.group("cls"),
+                "attr": target,
+            }
             for key, pattern in DETAIL.items():
                 if d := pattern.search(rest):
                     entry[key] = d.group(1)
@@ -69,7 +75,9 @@ def main() -> int:
     parser.add_argument("--prompt", default=tiny.PROMPTS[0])
     parser.add_argument("--max-tokens", type=int, default=tiny.MAX_TOKENS)
     parser.add_argument("--ready-timeout", type=float, default=300)
-    parser.add_argument("--show-log", action="store_true", help="print the server's whole output")
+    parser.add_argument(
+        "--show-log", action="store_true", help="print the server's whole output"
+    )
     args = parser.parse_args()
 
     import openai
@@ -79,14 +87,28 @@ def main() -> int:
     print(f"  {path}")
 
     log_dir = Path(tempfile.mkdtemp(prefix="demo-server-"))
-    print("Starting the OpenAI server with --model-impl transformers on 127.0.0.1 ...", flush=True)
-    print("  " + " ".join(tiny.server_command(path, 0)[1:]).replace("--port 0", "--port <free>"))
+    print(
+        "Starting the OpenAI server with --model-impl transformers on 127.0.0.1 ...",
+        flush=True,
+    )
+    print(
+        "  "
+        + " ".join(tiny.server_command(path, 0)[1:]).replace(
+            "--port 0", "--port <free>"
+        )
+    )
     start = time.monotonic()
     try:
         with tiny.serve(
-            path, model_impl="transformers", ready_timeout=args.ready_timeout, log_dir=log_dir
+            path,
+            model_impl="transformers",
+            ready_timeout=args.ready_timeout,
+            log_dir=log_dir,
         ) as server:
-            print(f"  ready in {time.monotonic() - start:.0f} s at {server.base_url}", flush=True)
+            print(
+                f"  ready in {time.monotonic() - start:.0f} s at {server.base_url}",
+                flush=True,
+            )
             client = openai.OpenAI(
                 base_url=server.base_url, api_key="EMPTY", timeout=120, max_retries=0
             )

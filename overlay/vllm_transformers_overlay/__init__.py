@@ -30,7 +30,9 @@ def requested() -> str:
     """The implementation `VLLM_TRANSFORMERS_BACKEND` asks for (default: project)."""
     value = os.environ.get(ENV_SWITCH, PROJECT).strip().lower() or PROJECT
     if value not in (PROJECT, STOCK):
-        raise ValueError(f"{ENV_SWITCH} must be {PROJECT!r} or {STOCK!r}, got {value!r}")
+        raise ValueError(
+            f"{ENV_SWITCH} must be {PROJECT!r} or {STOCK!r}, got {value!r}"
+        )
     return value
 
 

@@ -28,9 +28,7 @@ def vllm_runtime() -> Iterator[None]:
 
 
 @pytest.fixture
-def build_backend(
-    vllm_runtime: None, tmp_path: Path
-) -> Callable[..., nn.Module]:
+def build_backend(vllm_runtime: None, tmp_path: Path) -> Callable[..., nn.Module]:
     """Build a backend class (default `TransformersForCausalLM`) for `config`, on the
     CPU, as vLLM would, but without weights and without an engine.
 
@@ -59,7 +57,10 @@ def build_backend(
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),
         )
-        with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        with (
+            set_current_vllm_config(vllm_config),
+            set_default_torch_dtype(torch.float32),
+        ):
             return getattr(backend, backend_class)(vllm_config=vllm_config)
 
     return build

@@ -38,7 +38,9 @@ def test_sliding_window_and_soft_cap_follow_the_config(build_backend):
     assert caps == {30.0}
 
 
-def test_decoder_layer_without_dispatch_is_an_error_naming_module_and_layer(build_backend):
+def test_decoder_layer_without_dispatch_is_an_error_naming_module_and_layer(
+    build_backend,
+):
     # vLLM's registry refuses bloom before the backend runs (DESIGN §6), so the
     # parsed config is swapped in after vLLM's own checks.
     bloom = small_config("bloom", n_layer=2, n_head=4, hidden_size=128)
@@ -56,7 +58,9 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
     def every_layer_claims_zero(self, config, layer_idx):
         original_init(self, config, 0)
 
-    monkeypatch.setattr(modeling_llama.LlamaAttention, "__init__", every_layer_claims_zero)
+    monkeypatch.setattr(
+        modeling_llama.LlamaAttention, "__init__", every_layer_claims_zero
+    )
     with pytest.raises(ValueError) as error:
         build_backend(small_config("llama"))
     message = str(error.value)

@@ -87,7 +87,11 @@ def compare(
     for i, (want, got) in enumerate(zip(expected, actual)):
         assert got.prompt_ids == want.prompt_ids
         first_diff = next(
-            (t for t, (a, b) in enumerate(zip(want.token_ids, got.token_ids)) if a != b),
+            (
+                t
+                for t, (a, b) in enumerate(zip(want.token_ids, got.token_ids))
+                if a != b
+            ),
             None,
         )
         assert got.token_ids == want.token_ids, (
@@ -128,7 +132,11 @@ def _changes_output(model_type: str, **config_changes) -> bool:
     base = reference(model_type)
     if any(a.token_ids != b.token_ids for a, b in zip(base, changed)):
         return True
-    gap = max(abs(x - y) for a, b in zip(base, changed) for x, y in zip(a.logprobs, b.logprobs))
+    gap = max(
+        abs(x - y)
+        for a, b in zip(base, changed)
+        for x, y in zip(a.logprobs, b.logprobs)
+    )
     return gap > 100 * LOGPROB_ATOL
 
 
@@ -141,7 +149,13 @@ def _changes_output(model_type: str, **config_changes) -> bool:
         ("gemma2", dict(final_logit_softcapping=None)),
         ("gemma2", dict(query_pre_attn_scalar=32)),  # = head_dim: the default scale
     ],
-    ids=["mistral-window", "gemma2-window", "gemma2-attn-cap", "gemma2-final-cap", "gemma2-scale"],
+    ids=[
+        "mistral-window",
+        "gemma2-window",
+        "gemma2-attn-cap",
+        "gemma2-final-cap",
+        "gemma2-scale",
+    ],
 )
 def test_feature_changes_output(model_type, change):
     """The tiny models exercise what they are meant to: without the feature, the
@@ -175,7 +189,10 @@ def test_compiled_matches_transformers():
     """Under vLLM's torch.compile integration (the engine's default; the other engine
     tests run eager to save time) the backend still equals Transformers."""
     run = tiny.run_engine(
-        checkpoint("llama"), probe=True, llm_kwargs=dict(enforce_eager=False), **IMPLS["project"]
+        checkpoint("llama"),
+        probe=True,
+        llm_kwargs=dict(enforce_eager=False),
+        **IMPLS["project"],
     )
     assert all(worker["compiled"] for worker in run.probe)
     gap = compare(reference("llama"), run.completions)
@@ -212,9 +229,13 @@ def test_overlay_active_in_workers():
                 f"{worker['model_file']}, not from {worker['project_dir']}"
             )
             layers = sorted(a["layer_name"] for a in worker["attached"])
-            assert layers == [f"model.layers.{i}.self_attn.attn" for i in range(4)], layers
+            assert layers == [f"model.layers.{i}.self_attn.attn" for i in range(4)], (
+                layers
+            )
             head_dim = 128 // 4
-            assert all(abs(a["scale"] - head_dim**-0.5) < 1e-7 for a in worker["attached"])
+            assert all(
+                abs(a["scale"] - head_dim**-0.5) < 1e-7 for a in worker["attached"]
+            )
 
 
 @pytest.mark.engine

@@ -33,9 +33,12 @@ def built_on(rank: int, size: int, tie: bool = False):
     name, layers = decoder_layers(model, config)
     layer_range = stage_layer_range(config, stage(rank, size))
     drop_other_stages(model, name, layer_range, stage(rank, size), tie)
-    kept = [i for i, layer in enumerate(layers) if not isinstance(layer, PPMissingLayer)]
+    kept = [
+        i for i, layer in enumerate(layers) if not isinstance(layer, PPMissingLayer)
+    ]
     present = {
-        n for n in ("embed_tokens", "norm")
+        n
+        for n in ("embed_tokens", "norm")
         if not isinstance(getattr(model, n), PPMissingLayer)
     }
     return kept, present, layer_range
@@ -45,7 +48,9 @@ def built_on(rank: int, size: int, tie: bool = False):
     ("rank", "layers", "present"),
     [(0, [0, 1, 2], {"embed_tokens"}), (1, [3, 4], {"norm"})],
 )
-def test_each_stage_builds_its_layers_and_the_modules_around_them(rank, layers, present):
+def test_each_stage_builds_its_layers_and_the_modules_around_them(
+    rank, layers, present
+):
     kept, found, layer_range = built_on(rank, 2)
     assert kept == layers == list(layer_range)
     assert found == present

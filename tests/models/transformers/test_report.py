@@ -19,13 +19,22 @@ from vllm.model_executor.models.transformers.report import (
 def test_llama_report_lists_every_fusion_per_class(vllm_runtime):
     report = build_report(small_config("llama", num_hidden_layers=3), "llama")
     assert report.servable and report.reason is None
-    assert report.classes["LlamaAttention"].applied == {"QKVFuser": 3, "AttentionFuser": 3}
+    assert report.classes["LlamaAttention"].applied == {
+        "QKVFuser": 3,
+        "AttentionFuser": 3,
+    }
     assert report.classes["LlamaMLP"].applied == {"GLUFuser": 3}
     assert report.classes["LlamaRMSNorm"].applied == {"RMSNormFuser": 7}
     assert [a.layer_index for a in report.attention] == [0, 1, 2]
     assert [a.scale for a in report.attention] == pytest.approx([32**-0.5] * 3)
-    styles = {(linear.module, linear.layer_class, linear.style) for linear in report.linears}
-    assert ("model.layers.0.self_attn.qkv_proj", "QKVParallelLinear", "colwise") in styles
+    styles = {
+        (linear.module, linear.layer_class, linear.style) for linear in report.linears
+    }
+    assert (
+        "model.layers.0.self_attn.qkv_proj",
+        "QKVParallelLinear",
+        "colwise",
+    ) in styles
     assert ("model.layers.0.mlp.down_proj", "RowParallelLinear", "rowwise") in styles
     # q, k, v, gate and up of three layers are inside merged linears.
     assert report.fused_projections == 15
@@ -64,17 +73,38 @@ def test_command_prints_json_and_plain_text(tmp_path):
     small_config("qwen3", head_dim=32).save_pretrained(tmp_path)
     command = [sys.executable, "-m", "vllm.model_executor.models.transformers.report"]
     data = json.loads(
-        subprocess.run([*command, str(tmp_path), "--json"], capture_output=True,
-                       text=True, check=True).stdout
+        subprocess.run(
+            [*command, str(tmp_path), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     )
     assert data["servable"] is True
-    assert set(data) >= {"model", "classes", "attention", "linears", "servable", "reason", "short"}
-    assert data["classes"]["Qwen3Attention"]["applied"] == {"QKVFuser": 2, "AttentionFuser": 2}
-    assert {"layer_index", "module", "scale", "sliding_window", "soft_cap", "mla"} <= set(
-        data["attention"][0]
-    )
-    text = subprocess.run([*command, str(tmp_path)], capture_output=True, text=True,
-                          check=True).stdout
+    assert set(data) >= {
+        "model",
+        "classes",
+        "attention",
+        "linears",
+        "servable",
+        "reason",
+        "short",
+    }
+    assert data["classes"]["Qwen3Attention"]["applied"] == {
+        "QKVFuser": 2,
+        "AttentionFuser": 2,
+    }
+    assert {
+        "layer_index",
+        "module",
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "mla",
+    } <= set(data["attention"][0])
+    text = subprocess.run(
+        [*command, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
     assert "Verdict: SERVABLE" in text
     assert "\033[" not in text  # piped: no colour
     assert data["short"] in text

@@ -21,7 +21,9 @@ def test_completion_matches_transformers(tmp_path):
     (want,) = tiny.reference(path, [PROMPT], tiny.MAX_TOKENS)
 
     with tiny.serve(path, model_impl="transformers", log_dir=tmp_path) as server:
-        client = openai.OpenAI(base_url=server.base_url, api_key="EMPTY", timeout=120, max_retries=0)
+        client = openai.OpenAI(
+            base_url=server.base_url, api_key="EMPTY", timeout=120, max_retries=0
+        )
         response = client.completions.create(
             model=server.model,
             prompt=PROMPT,
@@ -33,7 +35,9 @@ def test_completion_matches_transformers(tmp_path):
         log = server.log()
 
     (choice,) = response.choices
-    assert choice.text == want.text, f"\nserver:       {choice.text!r}\nTransformers: {want.text!r}"
+    assert choice.text == want.text, (
+        f"\nserver:       {choice.text!r}\nTransformers: {want.text!r}"
+    )
     assert response.usage.completion_tokens == tiny.MAX_TOKENS
     assert response.usage.prompt_tokens == len(want.prompt_ids)
     gaps = [abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, want.logprobs)]

@@ -140,7 +140,9 @@ ARCHS: dict[str, dict[str, Any]] = {
     # GPT-NeoX: packed `query_key_value`, partial rotary, parallel residual, no GQA.
     "gpt_neox": dict(
         num_key_value_heads=None,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        rope_parameters=dict(
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25
+        ),
         use_parallel_residual=True,
     ),
     # DeepSeek-V3 latent attention (MLA) with query LoRA, interleaved rotary. The CPU
@@ -179,7 +181,12 @@ INITS: dict[str, Init] = {
     # repeats its input. Gemma2 also scales them by sqrt(hidden); its final norm is
     # (1 + w), so its logits are left as they come.
     "gemma2": Init(std=0.4, perturb=1.0, embed_scale=0.2, head_scale=1.0),
-    "opt": Init(std=0.2, embed_scale=0.25, head_scale=6.0, final_norm="model.decoder.final_layer_norm"),
+    "opt": Init(
+        std=0.2,
+        embed_scale=0.25,
+        head_scale=6.0,
+        final_norm="model.decoder.final_layer_norm",
+    ),
 }
 
 MIN_MARGIN = 0.02
@@ -219,7 +226,9 @@ def make_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    backend = Tokenizer(
+        models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK)
+    )
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
@@ -269,7 +278,9 @@ def _random_model(model_type: str, seed: int):
             for param in model.get_submodule(init.final_norm).parameters():
                 param.mul_(init.head_scale)
         elif init.head_scale != 1.0:
-            raise ValueError(f"{model_type}: tied embeddings, so `head_scale` needs `final_norm`")
+            raise ValueError(
+                f"{model_type}: tied embeddings, so `head_scale` needs `final_norm`"
+            )
     # Never stop early: no eos for generation (vLLM is run with `ignore_eos`).
     model.generation_config = GenerationConfig(
         do_sample=False,
@@ -355,7 +366,9 @@ def encode(path: Path | str | None, prompts: list[str] = PROMPTS) -> list[list[i
     tokenizer = make_tokenizer() if path is None else load_tokenizer(path)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     for prompt, row in zip(prompts, ids):
-        assert UNK_ID not in row, f"prompt {prompt!r} has words outside the tiny vocabulary"
+        assert UNK_ID not in row, (
+            f"prompt {prompt!r} has words outside the tiny vocabulary"
+        )
         assert row[0] == BOS_ID, "the tiny tokenizer did not prepend <s>"
     return ids
 
@@ -404,7 +417,12 @@ def greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[Completi
             top2 = torch.topk(logits, 2).values
             margins.append((top2[0] - top2[1]).item())
         completions.append(
-            Completion(prompt_ids=list(ids), token_ids=token_ids, logprobs=logprobs, margins=margins)
+            Completion(
+                prompt_ids=list(ids),
+                token_ids=token_ids,
+                logprobs=logprobs,
+                margins=margins,
+            )
         )
     return completions
 
@@ -495,7 +513,9 @@ def run_engine(
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     if tensor_parallel_size > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tensor_parallel_size))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(i) for i in range(tensor_parallel_size)
+        )
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
     )
@@ -520,12 +540,16 @@ def run_engine(
         except subprocess.TimeoutExpired:
             stop(process, grace=5)
             log, _ = process.communicate()
-            raise RuntimeError(f"engine did not finish in {timeout:.0f} s:\n{_tail(log)}") from None
+            raise RuntimeError(
+                f"engine did not finish in {timeout:.0f} s:\n{_tail(log)}"
+            ) from None
         finally:
             stop(process, grace=5)  # and whatever it left behind in its session
         seconds = time.monotonic() - start
         if process.returncode != 0 or not out_file.is_file():
-            raise RuntimeError(f"engine exited with {process.returncode}:\n{_tail(log)}")
+            raise RuntimeError(
+                f"engine exited with {process.returncode}:\n{_tail(log)}"
+            )
         out = json.loads(out_file.read_text())
     return EngineRun(
         completions=[Completion(**c) for c in out["completions"]],
@@ -626,14 +650,23 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         token_ids = list(sample.token_ids)
         logprobs = [step[t].logprob for t, step in zip(token_ids, sample.logprobs)]
         completions.append(
-            asdict(Completion(prompt_ids=ids, token_ids=token_ids, logprobs=logprobs, text=sample.text))
+            asdict(
+                Completion(
+                    prompt_ids=ids,
+                    token_ids=token_ids,
+                    logprobs=logprobs,
+                    text=sample.text,
+                )
+            )
         )
     # Shipped by reference: `tiny` (not `__main__`) is importable in every process
     # the engine starts (PYTHONPATH, set by `run_engine`).
     import tiny
 
     probe = llm.apply_model(tiny._probe) if spec["probe"] else None
-    kv_cache = llm.collective_rpc(tiny._kv_cache_probe) if spec.get("kv_cache") else None
+    kv_cache = (
+        llm.collective_rpc(tiny._kv_cache_probe) if spec.get("kv_cache") else None
+    )
     Path(out_file).write_text(
         json.dumps(dict(completions=completions, probe=probe, kv_cache=kv_cache))
     )
@@ -661,10 +694,14 @@ class Server:
     log_file: Path
 
     def log(self) -> str:
-        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+        return (
+            self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+        )
 
 
-def server_command(path: Path | str, port: int, *, model_impl: str = "transformers") -> list[str]:
+def server_command(
+    path: Path | str, port: int, *, model_impl: str = "transformers"
+) -> list[str]:
     """The OpenAI server on 127.0.0.1 for a tiny checkpoint.
 
     `python -m vllm.entrypoints.openai.api_server`, not the `vllm` console script,
@@ -731,13 +768,17 @@ def _wait_ready(server: Server, port: int, timeout: float) -> None:
                 f"{_tail(server.log())}"
             )
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/health", timeout=2
+            ) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{_tail(server.log())}")
+    raise TimeoutError(
+        f"server not ready after {timeout:.0f} s:\n{_tail(server.log())}"
+    )
 
 
 def stop(process: subprocess.Popen, grace: float = 30) -> None:

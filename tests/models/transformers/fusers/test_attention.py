@@ -28,7 +28,11 @@ def attention_modules(model: nn.Module) -> dict[str, tuple[nn.Module, AttentionF
 
 @pytest.mark.parametrize(
     ("model_type", "attention_name"),
-    [("llama", "self_attn"), ("gemma3_text", "self_attn"), ("deepseek_v3", "self_attn")],
+    [
+        ("llama", "self_attn"),
+        ("gemma3_text", "self_attn"),
+        ("deepseek_v3", "self_attn"),
+    ],
 )
 def test_exactly_the_decoder_attention_modules_match(model_type, attention_name):
     model = meta_model(model_type)
@@ -44,7 +48,9 @@ def test_layer_index_is_the_modules_own():
         name: fuser.layer_index(module)
         for name, (module, fuser) in attention_modules(model).items()
     }
-    expected = {f"layers.{i}.self_attn.{j}": 2 * i + j for i in range(3) for j in range(2)}
+    expected = {
+        f"layers.{i}.self_attn.{j}": 2 * i + j for i in range(3) for j in range(2)
+    }
     assert indices == expected
 
 
@@ -55,9 +61,16 @@ def test_scale_is_the_declared_one_for_gemma():
 
 
 def test_scale_is_the_declared_one_for_deepseek_yarn():
-    rope = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-            "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "yarn",
+        "factor": 40.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "rope_theta": 10000.0,
+    }
     model = meta_model("deepseek_v3", rope_parameters=rope)
     head_size = model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
     for module, fuser in attention_modules(model).values():
@@ -92,7 +105,10 @@ def test_unresolvable_scale_is_a_clear_error():
 
     module = ComputedScale()
     fuser = AttentionFuser.match(None, module)
-    with pytest.raises(ValueError, match=r"ComputedScale passes scaling=self.head_dim \*\* \(-0.5\).*cannot resolve"):
+    with pytest.raises(
+        ValueError,
+        match=r"ComputedScale passes scaling=self.head_dim \*\* \(-0.5\).*cannot resolve",
+    ):
         fuser.scale(module, default=1.0)
 
 
@@ -125,5 +141,7 @@ def test_layer_index_must_be_declared():
     model = meta_model("llama")
     module, fuser = attention_modules(model)["layers.0.self_attn"]
     del module.layer_idx
-    with pytest.raises(ValueError, match="LlamaAttention .* declares no integer `layer_idx`"):
+    with pytest.raises(
+        ValueError, match="LlamaAttention .* declares no integer `layer_idx`"
+    ):
         fuser.layer_index(module)

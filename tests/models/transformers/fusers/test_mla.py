@@ -56,7 +56,10 @@ WITHOUT_LORA = {**WITH_LORA, "q_a": None, "q_norm": None, "q_proj": "q_proj"}
 
 
 def deepseek_config(model_type: str, q_lora_rank: int | None, **overrides):
-    architecture = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}
+    architecture = {
+        "deepseek_v3": "DeepseekV3ForCausalLM",
+        "deepseek_v2": "DeepseekV2ForCausalLM",
+    }
     return AutoConfig.for_model(
         model_type,
         **{
@@ -83,11 +86,15 @@ def deepseek_config(model_type: str, q_lora_rank: int | None, **overrides):
 
 def modeling_class(model_type: str, config, kind: str) -> type:
     """`DeepseekV3Attention` for ("deepseek_v3", config, "Attention"), and the like."""
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    module = importlib.import_module(
+        f"transformers.models.{model_type}.modeling_{model_type}"
+    )
     return getattr(module, f"{type(config).__name__.removesuffix('Config')}{kind}")
 
 
-def attention(model_type: str, q_lora_rank: int | None, device: str = "meta", **overrides):
+def attention(
+    model_type: str, q_lora_rank: int | None, device: str = "meta", **overrides
+):
     """The model's attention module, its config dispatching to vLLM's latent attention."""
     config = deepseek_config(model_type, q_lora_rank, **overrides)
     config._attn_implementation = "vllm_mla"
@@ -100,7 +107,9 @@ def attention(model_type: str, q_lora_rank: int | None, device: str = "meta", **
 
 
 @pytest.mark.parametrize(("model_type", "q_lora_rank"), VARIANTS, ids=IDS)
-def test_deepseek_attention_matches_the_expected_roles(model_type, q_lora_rank, declined):
+def test_deepseek_attention_matches_the_expected_roles(
+    model_type, q_lora_rank, declined
+):
     module = attention(model_type, q_lora_rank)
     fusers = get_fusers(module)
     assert [type(f) for f in fusers] == [MLAFuser, AttentionFuser]
@@ -113,7 +122,10 @@ def test_deepseek_attention_matches_the_expected_roles(model_type, q_lora_rank, 
             "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]
         }
         assert fuser.stacked_weights("model.layers.0.self_attn") == {
-            "model.layers.0.self_attn.q_a_proj.": ("model.layers.0.self_attn.fused_qkv_a_proj.", 0),
+            "model.layers.0.self_attn.q_a_proj.": (
+                "model.layers.0.self_attn.fused_qkv_a_proj.",
+                0,
+            ),
             "model.layers.0.self_attn.kv_a_proj_with_mqa.": (
                 "model.layers.0.self_attn.fused_qkv_a_proj.",
                 1,
@@ -233,10 +245,19 @@ def layer_norm_latent():
     ("build", "reason"),
     [
         (TwoLatents, "2 KV down-projection chains (k_a -> k_norm, v_a -> v_norm)"),
-        (NoUpProjection, "no single linear up-projects the KV latent kv_norm normalises"),
-        (layer_norm_latent, "kv_a_layernorm (LayerNorm) normalises the KV latent of "
-         "kv_a_proj_with_mqa but is not an RMSNorm"),
-        (InlineExpansion, "kv_b is not applied inside one call that returns the key and value"),
+        (
+            NoUpProjection,
+            "no single linear up-projects the KV latent kv_norm normalises",
+        ),
+        (
+            layer_norm_latent,
+            "kv_a_layernorm (LayerNorm) normalises the KV latent of "
+            "kv_a_proj_with_mqa but is not an RMSNorm",
+        ),
+        (
+            InlineExpansion,
+            "kv_b is not applied inside one call that returns the key and value",
+        ),
     ],
     ids=["two-kv-chains", "no-up-projection", "layer-norm", "inline-expansion"],
 )
@@ -257,13 +278,18 @@ def test_validates_only_when_vllm_uses_mla(mla_vllm_config, monkeypatch):
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
     assert not mla_vllm_config.model_config.use_mla
     assert not fuser.validate(module, mla_vllm_config)
-    assert fuser.mismatch(module, mla_vllm_config) == "vLLM does not use MLA for this model"
+    assert (
+        fuser.mismatch(module, mla_vllm_config)
+        == "vLLM does not use MLA for this model"
+    )
 
 
 def test_instance_with_other_dimensions_is_not_validated(mla_vllm_config):
     module = attention("deepseek_v3", Q_RANK, v_head_dim=32)
     fuser = get_fuser(module, MLAFuser)
-    assert "kv_b_proj width 384 (expected 512)" in fuser.mismatch(module, mla_vllm_config)
+    assert "kv_b_proj width 384 (expected 512)" in fuser.mismatch(
+        module, mla_vllm_config
+    )
     assert not fuser.validate(module, mla_vllm_config)
 
 
@@ -277,7 +303,10 @@ def mla_vllm_config(vllm_runtime, tmp_path_factory) -> VllmConfig:
     folder = tmp_path_factory.mktemp("deepseek_v3")
     deepseek_config("deepseek_v3", Q_RANK).save_pretrained(folder)
     model_config = ModelConfig(
-        model=str(folder), model_impl="transformers", dtype="float32", skip_tokenizer_init=True
+        model=str(folder),
+        model_impl="transformers",
+        dtype="float32",
+        skip_tokenizer_init=True,
     )
     return VllmConfig(
         model_config=model_config,
@@ -316,7 +345,9 @@ class LatentAttention(nn.Module):
         return torch.einsum("thr,hvr->thv", out_latent, w_uv).reshape(output_shape)
 
 
-def fuse_like_the_backend(module: nn.Module, vllm_config: VllmConfig) -> tuple[nn.Module, list]:
+def fuse_like_the_backend(
+    module: nn.Module, vllm_config: VllmConfig
+) -> tuple[nn.Module, list]:
     """Fuse `module` as the backend does, attach the latent attention as `attn`, load
     the original weights through the fused layers' loaders (and `stacked_weights`)."""
     weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
@@ -330,7 +361,8 @@ def fuse_like_the_backend(module: nn.Module, vllm_config: VllmConfig) -> tuple[n
     mla, attention_fuser = applied
     fused = parent.m
     fused.attn = LatentAttention(
-        getattr(fused, mla.kv_b), attention_fuser.scale(fused, default=(NOPE + ROPE) ** -0.5)
+        getattr(fused, mla.kv_b),
+        attention_fuser.scale(fused, default=(NOPE + ROPE) ** -0.5),
     )
     mapper = WeightsMapper(orig_to_new_stacked=stacked)
     AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))
@@ -341,7 +373,9 @@ def fuse_like_the_backend(module: nn.Module, vllm_config: VllmConfig) -> tuple[n
 
 
 @pytest.mark.parametrize(("model_type", "q_lora_rank"), VARIANTS, ids=IDS)
-def test_rewritten_forward_equals_the_expanding_one(model_type, q_lora_rank, mla_vllm_config):
+def test_rewritten_forward_equals_the_expanding_one(
+    model_type, q_lora_rank, mla_vllm_config
+):
     """float32 only: Transformers' eager attention takes its softmax in float32 anyway."""
     dtype = torch.float32
     torch.manual_seed(0)
@@ -365,7 +399,9 @@ def test_rewritten_forward_equals_the_expanding_one(model_type, q_lora_rank, mla
     if q_lora_rank:
         assert type(fused.fused_qkv_a_proj) is MergedColumnParallelLinear
         assert fused.fused_qkv_a_proj.disable_tp
-        assert not hasattr(fused, "q_a_proj") and not hasattr(fused, "kv_a_proj_with_mqa")
+        assert not hasattr(fused, "q_a_proj") and not hasattr(
+            fused, "kv_a_proj_with_mqa"
+        )
         assert isinstance(fused.q_b_proj, ColumnParallelLinear)
     else:
         assert isinstance(fused.kv_a_proj_with_mqa, ReplicatedLinear)
@@ -374,16 +410,22 @@ def test_rewritten_forward_equals_the_expanding_one(model_type, q_lora_rank, mla
     tokens = 9
     hidden = torch.randn(1, tokens, HIDDEN, dtype=dtype)
     positions = torch.arange(tokens)[None]
-    rotary = modeling_class(model_type, reference.config, "RotaryEmbedding")(reference.config)
+    rotary = modeling_class(model_type, reference.config, "RotaryEmbedding")(
+        reference.config
+    )
     position_embeddings = rotary(hidden, positions)
     if isinstance(position_embeddings, tuple):
         position_embeddings = tuple(p.to(dtype) for p in position_embeddings)
-    causal = torch.full((tokens, tokens), float("-inf"), dtype=dtype).triu(1)[None, None]
+    causal = torch.full((tokens, tokens), float("-inf"), dtype=dtype).triu(1)[
+        None, None
+    ]
     with torch.no_grad():
         expected, _ = reference(
             hidden, position_embeddings=position_embeddings, attention_mask=causal
         )
-        actual, _ = fused(hidden, position_embeddings=position_embeddings, attention_mask=None)
+        actual, _ = fused(
+            hidden, position_embeddings=position_embeddings, attention_mask=None
+        )
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -407,8 +449,14 @@ def test_backend_attaches_mla_attention_with_the_modules_kv_b(
         assert isinstance(module.attn, MLAAttention)
         assert module.attn.kv_b_proj is module.kv_b_proj
         assert (module.attn.num_heads, module.attn.kv_lora_rank) == (HEADS, RANK)
-        assert (module.attn.qk_nope_head_dim, module.attn.qk_rope_head_dim) == (NOPE, ROPE)
-        assert (module.attn.v_head_dim, module.attn.q_lora_rank) == (V_HEAD, q_lora_rank)
+        assert (module.attn.qk_nope_head_dim, module.attn.qk_rope_head_dim) == (
+            NOPE,
+            ROPE,
+        )
+        assert (module.attn.v_head_dim, module.attn.q_lora_rank) == (
+            V_HEAD,
+            q_lora_rank,
+        )
         assert module.attn.head_size == RANK + ROPE  # what one token caches: the latent
         assert module.attn.layer_name == f"model.layers.{index}.self_attn.attn"
         assert module.attn.scale == pytest.approx((NOPE + ROPE) ** -0.5)
@@ -422,7 +470,9 @@ def test_backend_attaches_mla_attention_with_the_modules_kv_b(
         ]
 
 
-def test_backend_names_the_layer_that_did_not_fuse(build_backend, cpu_mla_kernel, monkeypatch):
+def test_backend_names_the_layer_that_did_not_fuse(
+    build_backend, cpu_mla_kernel, monkeypatch
+):
     mismatch = MLAFuser.mismatch
 
     def second_layer_differs(self, module, vllm_config):
@@ -434,8 +484,13 @@ def test_backend_names_the_layer_that_did_not_fuse(build_backend, cpu_mla_kernel
     with pytest.raises(ValueError) as error:
         build_backend(deepseek_config("deepseek_v3", Q_RANK))
     message = str(error.value)
-    assert message.startswith("Decoder layer 1: model.layers.1 (DeepseekV3DecoderLayer)")
-    assert "model.layers.1.self_attn (DeepseekV3Attention) did not fuse as latent" in message
+    assert message.startswith(
+        "Decoder layer 1: model.layers.1 (DeepseekV3DecoderLayer)"
+    )
+    assert (
+        "model.layers.1.self_attn (DeepseekV3Attention) did not fuse as latent"
+        in message
+    )
     assert "(test) this layer's widths differ" in message
     assert "VLLM_MLA_DISABLE=1" in message
 

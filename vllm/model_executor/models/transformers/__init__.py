@@ -44,7 +44,9 @@ class NotYetSupported(CausalMixin):
 
 
 def _not_yet_supported(name: str, kind: str) -> type[NotYetSupported]:
-    return type(name, (NotYetSupported,), {"kind": kind, "__doc__": f"Not yet: {kind}."})
+    return type(
+        name, (NotYetSupported,), {"kind": kind, "__doc__": f"Not yet: {kind}."}
+    )
 
 
 TransformersMoEForCausalLM = _not_yet_supported(

@@ -55,7 +55,9 @@ def vllm_attention_forward(
     padding = attn.head_size_v - head_dim_v
     if padding > 0:
         value = F.pad(value, (0, padding))
-    query, key, value = (x.transpose(1, 2).reshape(num_tokens, -1) for x in (query, key, value))
+    query, key, value = (
+        x.transpose(1, 2).reshape(num_tokens, -1) for x in (query, key, value)
+    )
     output = attn(query, key, value)
     if padding > 0:
         return output.view(1, num_tokens, -1, attn.head_size_v)[..., :head_dim_v], None
@@ -243,6 +245,8 @@ def why_not_mla(site: AttentionSite, vllm_config: "VllmConfig") -> str:
         return matched.mismatch(site.module, vllm_config) or "it was not applied"
     module_class = type(site.module).__name__
     reasons = [
-        d.reason for d in DECLINED if d.fuser == "MLAFuser" and d.module_class == module_class
+        d.reason
+        for d in DECLINED
+        if d.fuser == "MLAFuser" and d.module_class == module_class
     ]
     return reasons[-1] if reasons else "its forward has no latent attention pattern"

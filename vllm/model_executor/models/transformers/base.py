@@ -125,8 +125,12 @@ def describe_layer(qualname: str, layer: nn.Module) -> str:
 
 def _no_dynamic_rope(vllm_config: "VllmConfig") -> bool:
     """Dynamic rope scaling recomputes frequencies per call, which compiles badly."""
-    rope = getattr(vllm_config.model_config.hf_text_config, "rope_parameters", None) or {}
-    parameters = rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    rope = (
+        getattr(vllm_config.model_config.hf_text_config, "rope_parameters", None) or {}
+    )
+    parameters = (
+        rope.values() if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    )
     return all(p.get("rope_type") != "dynamic" for p in parameters)
 
 
@@ -141,7 +145,11 @@ def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
     subclass = type(
         cls.__name__,
         (cls,),
-        {"__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        {
+            "__init__": __init__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        },
     )
     return support_torch_compile(
         # HF models take a batch dimension: [1, tokens] ids, [1, tokens, hidden]
@@ -204,18 +212,30 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         layers_name, layers = decoder_layers(self.model, self.text_config)
         self.layer_range = stage_layer_range(self.text_config, self.pp_group)
         self.report.num_layers = len(self.layer_range)
-        drop_other_stages(self.model, layers_name, self.layer_range, self.pp_group, self.tie_word_embeddings)
+        drop_other_stages(
+            self.model,
+            layers_name,
+            self.layer_range,
+            self.pp_group,
+            self.tie_word_embeddings,
+        )
 
         self.packed_modules_mapping: dict[str, list[str]] = {}
         self.weight_copies: dict[str, str] = {}
         """Parameter name -> another parameter that loads the same checkpoint tensor."""
         attention_modules = self.replace_modules(getattr(self.model, "_tp_plan", None))
         layer_names = {
-            i: describe_layer(f"model.{layers_name}.{i}", layers[i]) for i in self.layer_range
+            i: describe_layer(f"model.{layers_name}.{i}", layers[i])
+            for i in self.layer_range
         }
         self.attention: dict[int, AttentionSite] = attention_sites(attention_modules)
         attach_attention(
-            self.attention, self.layer_range, vllm_config, prefix, layer_names, self.report
+            self.attention,
+            self.layer_range,
+            vllm_config,
+            prefix,
+            layer_names,
+            self.report,
         )
 
     def replace_modules(
@@ -243,7 +263,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
                 for fuser in applied:
                     new = fuser.fuse(new, qualname, self.vllm_config)
                     if isinstance(fuser, AttentionFuser):
-                        mla = next((f for f in applied if isinstance(f, MLAFuser)), None)
+                        mla = next(
+                            (f for f in applied if isinstance(f, MLAFuser)), None
+                        )
                         attention[qualname] = (new, fuser, mla)
                         continue
                     logger.info(fuser.info(qualname, new))
@@ -257,7 +279,12 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
                         new, style or "replicate", self.quant_config, prefix=qualname
                     )
                     self.report.linears.append(
-                        LinearReport(qualname, type(new).__name__, style or "replicate", style is not None)
+                        LinearReport(
+                            qualname,
+                            type(new).__name__,
+                            style or "replicate",
+                            style is not None,
+                        )
                     )
                 elif isinstance(new, LinearBase):
                     # Built by a fuser, which owns its style.

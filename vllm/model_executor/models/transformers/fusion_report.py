@@ -70,7 +70,9 @@ class FusionReport:
     servable: bool = True
     reason: str | None = None
 
-    def record_module(self, module_class: str, matched: list[str], applied: list[str]) -> None:
+    def record_module(
+        self, module_class: str, matched: list[str], applied: list[str]
+    ) -> None:
         report = self.classes.setdefault(module_class, ClassReport(matched=matched))
         report.instances += 1
         for fuser in applied:
@@ -96,7 +98,8 @@ class FusionReport:
         unfused = sum(
             1
             for linear in self.linears
-            if linear.layer_class not in ("QKVParallelLinear", "MergedColumnParallelLinear")
+            if linear.layer_class
+            not in ("QKVParallelLinear", "MergedColumnParallelLinear")
         )
         return unfused + self.fused_projections
 

@@ -46,7 +46,9 @@ class CheckpointLayout:
         )
         return cls(
             base_prefix=hf_model.base_model_prefix,
-            base_children=tuple(name for name, _ in hf_model.base_model.named_children()),
+            base_children=tuple(
+                name for name, _ in hf_model.base_model.named_children()
+            ),
             lm_head_name=lm_head_name,
             renamings=[
                 t
@@ -92,4 +94,6 @@ class CheckpointLayout:
                 if name in copies:
                     yield copies[name], tensor
 
-        return AutoWeightsLoader(model).load_weights(with_copies(self.mapper().apply(weights)))
+        return AutoWeightsLoader(model).load_weights(
+            with_copies(self.mapper().apply(weights))
+        )

@@ -32,7 +32,9 @@ def decoder_layers(
     return stacks[0]
 
 
-def stage_layer_range(text_config: PreTrainedConfig, pp_group: GroupCoordinator) -> range:
+def stage_layer_range(
+    text_config: PreTrainedConfig, pp_group: GroupCoordinator
+) -> range:
     """The decoder layers this pipeline stage builds."""
     start, end = get_pp_indices(
         text_config.num_hidden_layers, pp_group.rank_in_group, pp_group.world_size

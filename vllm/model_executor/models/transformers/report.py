@@ -192,14 +192,17 @@ def render(report: FusionReport, style: Style) -> str:
     for name, cls in sorted(report.classes.items()):
         if not (cls.matched or cls.declined):
             continue
-        applied = ", ".join(f"{f} x{n}" for f, n in sorted(cls.applied.items())) or "none"
+        applied = (
+            ", ".join(f"{f} x{n}" for f, n in sorted(cls.applied.items())) or "none"
+        )
         lines.append(
             f"  {name} ({cls.instances} instances): matched "
             f"{', '.join(cls.matched) or 'nothing'}; applied {applied}"
         )
         for declined in cls.declined:
             lines.append(
-                "    " + style.bad(f"declined {declined.fuser}: {declined.reason}")
+                "    "
+                + style.bad(f"declined {declined.fuser}: {declined.reason}")
                 + f" ({declined.location})"
             )
     lines.append(style.head("\nAttention per decoder layer"))
@@ -215,7 +218,12 @@ def render(report: FusionReport, style: Style) -> str:
         lines.append(f"  layers {layers}: {line}")
     lines.append(style.head("\nLinears (i = decoder layer)"))
     counts = Counter(
-        (LAYER_INDEX.sub(".{i}.", linear.module), linear.layer_class, linear.style, linear.planned)
+        (
+            LAYER_INDEX.sub(".{i}.", linear.module),
+            linear.layer_class,
+            linear.style,
+            linear.planned,
+        )
         for linear in report.linears
     )
     for (module, layer_class, tp_style, planned), count in counts.items():
@@ -254,16 +262,21 @@ def run_all(as_json: bool, style: Style) -> None:
             config = AutoConfig.for_model(model_type, num_hidden_layers=2)
             config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
         except Exception as error:  # noqa: BLE001 - a config Transformers cannot build
-            rows.append({"model_type": model_type, "built": False, "servable": False,
-                         "reason": f"no config: {error}"})
+            rows.append(
+                {
+                    "model_type": model_type,
+                    "built": False,
+                    "servable": False,
+                    "reason": f"no config: {error}",
+                }
+            )
             continue
         rows.append(coverage_row(build_report(config, model_type)))
     elapsed = time.perf_counter() - started
     columns = ("built", "attention", "qkv", "glu", "rms_norm", "servable")
     totals = {c: sum(bool(r.get(c)) for r in rows) for c in columns}
-    summary = (
-        f"{len(rows)} causal-LM model types in {elapsed:.0f} s: "
-        + ", ".join(f"{c} {totals[c]}" for c in columns)
+    summary = f"{len(rows)} causal-LM model types in {elapsed:.0f} s: " + ", ".join(
+        f"{c} {totals[c]}" for c in columns
     )
     if as_json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
@@ -283,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m vllm.model_executor.models.transformers.report",
         description=__doc__.split("\n\n")[1],
     )
-    parser.add_argument("model", nargs="?", help="model folder, config.json or model_type")
+    parser.add_argument(
+        "model", nargs="?", help="model folder, config.json or model_type"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--all", action="store_true", help="every causal-LM model_type")
     args = parser.parse_args(argv)
@@ -291,13 +306,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give MODEL or --all")
     # The report is the output; vLLM's own start-up chatter would bury it.
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    style = Style(sys.stdout.isatty() and not args.json and "NO_COLOR" not in os.environ)
+    style = Style(
+        sys.stdout.isatty() and not args.json and "NO_COLOR" not in os.environ
+    )
     with vllm_runtime():
         if args.all:
             run_all(args.json, style)
             return
         report = build_report(load_config(args.model), args.model)
-    print(json.dumps(report.to_json(), indent=1, default=str) if args.json else render(report, style))
+    print(
+        json.dumps(report.to_json(), indent=1, default=str)
+        if args.json
+        else render(report, style)
+    )
 
 
 if __name__ == "__main__":

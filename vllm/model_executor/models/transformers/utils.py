@@ -74,7 +74,11 @@ def recursive_replace_linear(
     for name, child in model.named_children():
         qualname = maybe_prefix(prefix, name)
         if isinstance(child, nn.Linear):
-            setattr(model, name, replace_linear_class(child, "replicate", quant_config, prefix=qualname))
+            setattr(
+                model,
+                name,
+                replace_linear_class(child, "replicate", quant_config, prefix=qualname),
+            )
         else:
             recursive_replace_linear(child, quant_config, qualname)
 
@@ -85,7 +89,8 @@ def tp_style(qualname: str, plan: Mapping[str, str]) -> str | None:
     for pattern, style in plan.items():
         pattern_parts = pattern.split(".")
         if len(pattern_parts) == len(parts) and all(
-            fnmatch.fnmatchcase(part, wanted) for part, wanted in zip(parts, pattern_parts)
+            fnmatch.fnmatchcase(part, wanted)
+            for part, wanted in zip(parts, pattern_parts)
         ):
             return style
     return None

@@ -42,7 +42,11 @@ def _interface_locals(forward: ast.FunctionDef) -> set[str]:
     for node in ast.walk(forward):
         if isinstance(node, ast.Assign) and _binds_interface(node.value):
             targets = node.targets
-        elif isinstance(node, ast.AnnAssign) and node.value and _binds_interface(node.value):
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and node.value
+            and _binds_interface(node.value)
+        ):
             targets = [node.target]
         else:
             continue

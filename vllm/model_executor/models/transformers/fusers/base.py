@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Self
 from torch import fx, nn
 
 from vllm.logger import init_logger
+
 # Defined beside the rewrites that raise it (fx_utils cannot import fusers/), and
 # re-exported here as part of the fuser contracts.
 from vllm.model_executor.models.transformers.fx_utils import FusionDeclined  # noqa: F401
@@ -94,7 +95,9 @@ class BaseFuser:
         """Whether this instance of the matched class should take the fusion."""
         return True
 
-    def fuse(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> nn.Module:
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
         """Apply the fusion to `module`; returns the module to keep in its place."""
         return module
 
@@ -133,7 +136,9 @@ class RewriteFuser(BaseFuser):
         """Swap the instance's submodules for the fused ones."""
         raise NotImplementedError
 
-    def fuse(self, module: nn.Module, prefix: str, vllm_config: "VllmConfig") -> nn.Module:
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
         assert self.fused_forward is not None, "update_forward must run first"
         self.update_attrs(module, prefix, vllm_config)
         # Bound on the instance: other instances of the class (a vision tower sharing

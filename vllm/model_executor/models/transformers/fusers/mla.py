@@ -32,8 +32,18 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _SLICING = frozenset(
-    {"getitem", "split", "split_with_sizes", "chunk", "tensor_split", "narrow", "contiguous",
-     "to", "float", "type_as"}
+    {
+        "getitem",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "tensor_split",
+        "narrow",
+        "contiguous",
+        "to",
+        "float",
+        "type_as",
+    }
 )
 """Ops that may stand between a down-projection and its norm: they take features of
 the last dimension apart (or cast them), never regroup them into heads."""
@@ -66,7 +76,9 @@ class _Chain:
     norm: fx.Node
 
     def widths(self, module: nn.Module) -> tuple[int, int]:
-        return module.get_submodule(self.linear.target).out_features, _width(self.norm.args[0])
+        return module.get_submodule(self.linear.target).out_features, _width(
+            self.norm.args[0]
+        )
 
 
 def _down_chains(graph: fx.Graph, module: nn.Module) -> list[_Chain]:
@@ -92,9 +104,13 @@ def _down_chains(graph: fx.Graph, module: nn.Module) -> list[_Chain]:
     return [c for c in chains if counts.count(c.linear) == 1]
 
 
-def _linear_before(node: fx.Node, attention: fx.Node, module: nn.Module) -> fx.Node | None:
+def _linear_before(
+    node: fx.Node, attention: fx.Node, module: nn.Module
+) -> fx.Node | None:
     """The one linear computed from `node` before the attention call, if any."""
-    found = fx_utils.downstream(node, lambda n: n is attention or fx_utils.is_linear(n, module))
+    found = fx_utils.downstream(
+        node, lambda n: n is attention or fx_utils.is_linear(n, module)
+    )
     linears = [n for n in found if n is not attention]
     return linears[0] if len(linears) == 1 else None
 
@@ -123,10 +139,17 @@ def _latent_parameter(tree: ast.FunctionDef, kv_b: str) -> int:
     """Which of the expansion method's two arguments is the latent: the one it applies
     `self.<kv_b>` to. Also checks it takes two arguments and returns a pair."""
     parameters = [a.arg for a in tree.args.args][1:]
-    if len(parameters) != 2 or tree.args.vararg or tree.args.kwarg or tree.args.kwonlyargs:
+    if (
+        len(parameters) != 2
+        or tree.args.vararg
+        or tree.args.kwarg
+        or tree.args.kwonlyargs
+    ):
         raise FusionDeclined(f"{tree.name} does not take exactly two arguments")
     returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return)]
-    if not returns or any(not (isinstance(r, ast.Tuple) and len(r.elts) == 2) for r in returns):
+    if not returns or any(
+        not (isinstance(r, ast.Tuple) and len(r.elts) == 2) for r in returns
+    ):
         raise FusionDeclined(f"{tree.name} does not return a pair")
     applied = [
         n
@@ -134,16 +157,22 @@ def _latent_parameter(tree: ast.FunctionDef, kv_b: str) -> int:
         if isinstance(n, ast.Call) and fx_utils.is_self_attribute(n.func, kv_b)
     ]
     if len(applied) != 1 or len(applied[0].args) != 1 or applied[0].keywords:
-        raise FusionDeclined(f"{tree.name} does not apply self.{kv_b} once, to one argument")
+        raise FusionDeclined(
+            f"{tree.name} does not apply self.{kv_b} once, to one argument"
+        )
     (latent,) = applied[0].args
     if not isinstance(latent, ast.Name) or latent.id not in parameters:
-        raise FusionDeclined(f"{tree.name} applies self.{kv_b} to something but an argument")
+        raise FusionDeclined(
+            f"{tree.name} applies self.{kv_b} to something but an argument"
+        )
     # Rebinding the argument before expanding it would make the latent something else.
     for statement in tree.body:
         if any(n is applied[0] for n in ast.walk(statement)):
             break
         if any(
-            isinstance(n, ast.Name) and n.id == latent.id and not isinstance(n.ctx, ast.Load)
+            isinstance(n, ast.Name)
+            and n.id == latent.id
+            and not isinstance(n.ctx, ast.Load)
             for n in ast.walk(statement)
         ):
             raise FusionDeclined(f"{tree.name} changes {latent.id} before expanding it")
@@ -221,7 +250,9 @@ class MLAFuser(StackedFuser):
         if not kv_chains:
             return None
         if len(kv_chains) > 1:
-            names = ", ".join(f"{c.linear.target} -> {c.norm.target}" for c in kv_chains)
+            names = ", ".join(
+                f"{c.linear.target} -> {c.norm.target}" for c in kv_chains
+            )
             return cls.decline(
                 module,
                 f"{len(kv_chains)} KV down-projection chains ({names}); latent "
@@ -238,16 +269,20 @@ class MLAFuser(StackedFuser):
         attention = fx_utils.attention_node(graph)
         if attention is None:
             return cls.decline(
-                module, f"{kv_a} looks like a KV down-projection but tracing did not reach "
+                module,
+                f"{kv_a} looks like a KV down-projection but tracing did not reach "
                 "a single attention call",
             )
         kv_b = _linear_before(kv.norm, attention, module)
         if kv_b is None:
             return cls.decline(
-                module, f"no single linear up-projects the KV latent {kv_norm} normalises"
+                module,
+                f"no single linear up-projects the KV latent {kv_norm} normalises",
             )
         if module.get_submodule(kv_b.target).bias is not None:
-            return cls.decline(module, f"{kv_b.target} has a bias, which MLA cannot absorb")
+            return cls.decline(
+                module, f"{kv_b.target} has a bias, which MLA cannot absorb"
+            )
 
         q_a = q_norm = None
         if len(q_chains) > 1:
@@ -262,13 +297,20 @@ class MLAFuser(StackedFuser):
             q_proj = _linear_before(q_norm, attention, module)
             if q_proj is None:
                 return cls.decline(
-                    module, f"no single linear up-projects the query {q_norm.target} normalises"
+                    module,
+                    f"no single linear up-projects the query {q_norm.target} normalises",
                 )
             if q_a.args[0] is not kv.linear.args[0]:
-                return cls.decline(module, f"{q_a.target} and {kv_a} read different inputs")
-            biases = {module.get_submodule(n.target).bias is None for n in (q_a, kv.linear)}
+                return cls.decline(
+                    module, f"{q_a.target} and {kv_a} read different inputs"
+                )
+            biases = {
+                module.get_submodule(n.target).bias is None for n in (q_a, kv.linear)
+            }
             if len(biases) != 1:
-                return cls.decline(module, f"only one of {q_a.target} and {kv_a} has a bias")
+                return cls.decline(
+                    module, f"only one of {q_a.target} and {kv_a} has a bias"
+                )
         else:
             others = [
                 n
@@ -286,24 +328,35 @@ class MLAFuser(StackedFuser):
         query, key, value = attention.args[:3]
         if _linears_upstream(query, module) != {q_proj}:
             return cls.decline(
-                module, f"the query reaching attention is not computed from {q_proj.target} alone"
+                module,
+                f"the query reaching attention is not computed from {q_proj.target} alone",
             )
         if any(kv_b not in _linears_upstream(x, module) for x in (key, value)):
             return cls.decline(
-                module, f"the key and value reaching attention are not expanded by {kv_b.target}"
+                module,
+                f"the key and value reaching attention are not expanded by {kv_b.target}",
             )
         # Key and value come out of the one forward expression that applies kv_b.
         expansion = kv_b.meta.get("span")
-        if any(not isinstance(x, fx.Node) or x.meta.get("span") != expansion for x in (key, value)):
+        if any(
+            not isinstance(x, fx.Node) or x.meta.get("span") != expansion
+            for x in (key, value)
+        ):
             return cls.decline(
                 module,
                 f"{kv_b.target} is not applied inside one call that returns the key and "
                 "value (a KV-expansion method the forward could skip)",
             )
         output = fx_utils.returned_linear(graph, module)
-        if output is not None and not fx_utils.upstream(output, lambda n: n is attention):
-            output = None  # the module returns something else than the attention, projected
-        linears = [n.target for n in (q_a, q_proj, kv.linear, kv_b, output) if n is not None]
+        if output is not None and not fx_utils.upstream(
+            output, lambda n: n is attention
+        ):
+            output = (
+                None  # the module returns something else than the attention, projected
+            )
+        linears = [
+            n.target for n in (q_a, q_proj, kv.linear, kv_b, output) if n is not None
+        ]
         if reason := called_once(graph, linears):
             return cls.decline(module, reason)
 
@@ -313,7 +366,10 @@ class MLAFuser(StackedFuser):
         if q_a is not None:
             shards = {q_a.target: 0, kv_a: 1}
             fused_name = fx_utils.fresh_attribute(module, "fused_qkv_a_proj")
-            spans[q_a.target], spans[kv_a] = q_a.meta.get("span"), kv.linear.meta.get("span")
+            spans[q_a.target], spans[kv_a] = (
+                q_a.meta.get("span"),
+                kv.linear.meta.get("span"),
+            )
         return cls(
             fused_name=fused_name,
             shards=shards,
@@ -340,13 +396,18 @@ class MLAFuser(StackedFuser):
             return "vLLM does not use MLA for this model"
         dims = get_mla_dims(model_config)
         qk_head_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim
-        q, kv_a, kv_b = (getattr(module, n) for n in (self.q_proj, self.kv_a, self.kv_b))
+        q, kv_a, kv_b = (
+            getattr(module, n) for n in (self.q_proj, self.kv_a, self.kv_b)
+        )
         heads, rest = divmod(q.out_features, qk_head_dim)
         if rest:
             return f"{self.q_proj} width {q.out_features} is not whole heads of {qk_head_dim}"
         kv_b_width = heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         expected = {
-            f"{self.kv_a} width": (kv_a.out_features, dims.kv_lora_rank + dims.qk_rope_head_dim),
+            f"{self.kv_a} width": (
+                kv_a.out_features,
+                dims.kv_lora_rank + dims.qk_rope_head_dim,
+            ),
             f"{self.kv_b} input": (kv_b.in_features, dims.kv_lora_rank),
             f"{self.kv_b} width": (kv_b.out_features, kv_b_width),
         }
@@ -355,7 +416,10 @@ class MLAFuser(StackedFuser):
             expected[f"{self.q_a} width"] = (q_a.out_features, dims.q_lora_rank)
         if self.o_proj is not None:
             o_proj = getattr(module, self.o_proj)
-            expected[f"{self.o_proj} input"] = (o_proj.in_features, heads * dims.v_head_dim)
+            expected[f"{self.o_proj} input"] = (
+                o_proj.in_features,
+                heads * dims.v_head_dim,
+            )
         wrong = [
             f"{what} {got} (expected {want})"
             for what, (got, want) in expected.items()
@@ -371,7 +435,9 @@ class MLAFuser(StackedFuser):
     def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
         reason = self.mismatch(module, vllm_config)
         if reason is not None:
-            logger.debug("MLAFuser: not fused in this %s: %s", type(module).__name__, reason)
+            logger.debug(
+                "MLAFuser: not fused in this %s: %s", type(module).__name__, reason
+            )
         return reason is None
 
     # Rewriting --------------------------------------------------------------------
@@ -386,7 +452,9 @@ class MLAFuser(StackedFuser):
                 rewrite.expect_single_use(name)
             x = calls[0].args[0]
             if not isinstance(x, ast.Name) or ast.dump(calls[1].args[0]) != ast.dump(x):
-                raise FusionDeclined("the down-projections are not applied to one local name")
+                raise FusionDeclined(
+                    "the down-projections are not applied to one local name"
+                )
             if not rewrite.holds_one_value(x.id, calls):
                 raise FusionDeclined(f"`{x.id}` changes between the down-projections")
             block, first, _ = rewrite.region(calls)
@@ -425,7 +493,9 @@ class MLAFuser(StackedFuser):
         name = call.func.attr
         tree = _method_tree(cls, name)
         if tree is None:
-            raise FusionDeclined(f"self.{name} is not a method whose source can be read")
+            raise FusionDeclined(
+                f"self.{name} is not a method whose source can be read"
+            )
         latent_index = _latent_parameter(tree, self.kv_b)
         statement = rewrite.statement(call)
         unpacks = (
@@ -436,21 +506,32 @@ class MLAFuser(StackedFuser):
         )
         targets = statement.targets[0].elts if unpacks else []
         if len(targets) != 2 or not all(isinstance(t, ast.Name) for t in targets):
-            raise FusionDeclined(f"the pair self.{name} returns is not unpacked into two names")
+            raise FusionDeclined(
+                f"the pair self.{name} returns is not unpacked into two names"
+            )
         interface = rewrite.expression_at(self.spans["attention"])
         if not isinstance(interface, ast.Call) or len(interface.args) < 4:
             raise FusionDeclined(
                 "the attention interface is not called with (self, query, key, value)"
             )
-        passed = [a.id if isinstance(a, ast.Name) else None for a in interface.args[2:4]]
+        passed = [
+            a.id if isinstance(a, ast.Name) else None for a in interface.args[2:4]
+        ]
         if sorted(filter(None, passed)) != sorted(t.id for t in targets):
-            raise FusionDeclined(f"what self.{name} returns is not passed as the key and value")
+            raise FusionDeclined(
+                f"what self.{name} returns is not passed as the key and value"
+            )
         for target in targets:
-            if len(rewrite.stores(target.id)) != 1 or len(rewrite.loads(target.id)) != 1:
+            if (
+                len(rewrite.stores(target.id)) != 1
+                or len(rewrite.loads(target.id)) != 1
+            ):
                 raise FusionDeclined(f"`{target.id}` is used beyond the attention call")
         latent, rope_key = call.args[latent_index], call.args[1 - latent_index]
         # The key position gets the latent, the value position the rotary key.
-        ordered = [latent, rope_key] if passed[0] == targets[0].id else [rope_key, latent]
+        ordered = (
+            [latent, rope_key] if passed[0] == targets[0].id else [rope_key, latent]
+        )
         return call, ast.copy_location(ast.Tuple(ordered, ast.Load()), call)
 
     def update_attrs(
@@ -495,7 +576,10 @@ class MLAFuser(StackedFuser):
         module: nn.Module, name: str, style: str, prefix: str, vllm_config: "VllmConfig"
     ) -> None:
         linear = replace_linear_class(
-            getattr(module, name), style, vllm_config.quant_config, prefix=f"{prefix}.{name}"
+            getattr(module, name),
+            style,
+            vllm_config.quant_config,
+            prefix=f"{prefix}.{name}",
         )
         setattr(module, name, linear)
 
@@ -504,9 +588,13 @@ class MLAFuser(StackedFuser):
         return {self.fused_name: list(self.shards)} if self.shards else {}
 
     def info(self, name: str, module: nn.Module) -> str:
-        merged = f"{super().info(name, module)}; " if self.shards else (
-            f"Fused: latent attention ({name}: {type(module).__name__}); "
-            f"{self.kv_a} -> ReplicatedLinear; "
+        merged = (
+            f"{super().info(name, module)}; "
+            if self.shards
+            else (
+                f"Fused: latent attention ({name}: {type(module).__name__}); "
+                f"{self.kv_a} -> ReplicatedLinear; "
+            )
         )
         output = f"; {self.o_proj} -> RowParallelLinear" if self.o_proj else ""
         return (
