@@ -317,8 +317,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor | IntermediateTensors:
-        if not self.pp_group.is_first_rank:
-            assert intermediate_tensors is not None
+        if intermediate_tensors is not None:  # a later pipeline stage
             input_ids, inputs_embeds = None, intermediate_tensors["hidden_states"]
         # vLLM flattens the batch into one sequence of tokens; HF wants a batch of 1.
         if inputs_embeds is not None:
