@@ -17,7 +17,6 @@ that greedy choices are well separated, and that the features each tiny model is
 to exercise (sliding window, soft-capping, the Gemma2 scale) change its output.
 """
 
-import functools
 import os
 import sys
 from pathlib import Path
@@ -26,12 +25,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
+from tiny import cached_reference as reference  # noqa: E402
+from tiny import checkpoint, compare, report  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "opt", "phi3", "gpt_neox"]
 
-LOGPROB_ATOL = 5e-5
-"""float32: two correct implementations differ by ~1e-5 on these models (Transformers
-float32 against float64 already does); a wrong scale, window or cap moves them by 1e-2+."""
+LOGPROB_ATOL = tiny.LOGPROB_ATOL
 
 IMPLS = {
     "project": dict(model_impl="transformers", backend="project"),
@@ -41,16 +40,6 @@ IMPLS = {
 E2E_IMPL = os.environ.get("E2E_IMPL", "project")
 if E2E_IMPL not in IMPLS:
     raise ValueError(f"E2E_IMPL must be one of {sorted(IMPLS)}, got {E2E_IMPL!r}")
-
-
-@functools.cache
-def checkpoint(model_type: str) -> Path:
-    return tiny.build(model_type)
-
-
-@functools.cache
-def reference(model_type: str) -> tuple[tiny.Completion, ...]:
-    return tuple(tiny.reference(checkpoint(model_type)))
 
 
 _ENGINE_RUNS: dict[tuple, tiny.EngineRun | Exception] = {}
@@ -74,43 +63,6 @@ def engine(model_type: str, impl: str, tensor_parallel_size: int = 1) -> tiny.En
     if isinstance(run, Exception):
         raise RuntimeError(f"engine {key} failed to run (see its first test)") from run
     return run
-
-
-def compare(
-    expected: tuple[tiny.Completion, ...] | list[tiny.Completion],
-    actual: list[tiny.Completion],
-    atol: float = LOGPROB_ATOL,
-) -> float:
-    """Assert equal greedy tokens and close logprobs; return the largest logprob gap."""
-    assert len(actual) == len(expected)
-    worst = 0.0
-    for i, (want, got) in enumerate(zip(expected, actual)):
-        assert got.prompt_ids == want.prompt_ids
-        first_diff = next(
-            (
-                t
-                for t, (a, b) in enumerate(zip(want.token_ids, got.token_ids))
-                if a != b
-            ),
-            None,
-        )
-        assert got.token_ids == want.token_ids, (
-            f"prompt {i}: greedy tokens differ from step {first_diff}:\n"
-            f"  expected {want.token_ids}\n  got      {got.token_ids}"
-        )
-        gaps = [abs(a - b) for a, b in zip(want.logprobs, got.logprobs)]
-        worst = max(worst, *gaps)
-        step = max(range(len(gaps)), key=gaps.__getitem__)
-        assert gaps[step] <= atol, (
-            f"prompt {i}: logprob of token {step} differs by {gaps[step]:.3g} "
-            f"(expected {want.logprobs[step]:.6f}, got {got.logprobs[step]:.6f}; "
-            f"tolerance {atol:g})"
-        )
-    return worst
-
-
-def report(what: str, run: tiny.EngineRun, gap: float) -> None:
-    print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
 
 
 # --- the references themselves (no engine) ---------------------------------------------

@@ -23,21 +23,7 @@ import tiny  # noqa: E402
 ARCHS = ["deepseek_v3", "deepseek_v2"]
 """deepseek_v3 has query LoRA (q_a/q_b), deepseek_v2 a single q_proj."""
 
-LOGPROB_ATOL = 5e-5
-"""As for the other architectures: float32, ~1e-5 between two correct implementations
-(absorbing `kv_b` into the query reorders sums; measured ~5e-6 here)."""
-
 FLOAT32_BYTES = 4
-
-
-@functools.cache
-def checkpoint(model_type: str) -> Path:
-    return tiny.build(model_type)
-
-
-@functools.cache
-def reference(model_type: str) -> tuple[tiny.Completion, ...]:
-    return tuple(tiny.reference(checkpoint(model_type)))
 
 
 @functools.cache
@@ -47,37 +33,15 @@ def engine(model_type: str, mla: bool) -> tiny.EngineRun:
         options = dict(llm_kwargs=dict(attention_backend="CPU_MLA"))
     else:
         options = dict(extra_env=dict(VLLM_MLA_DISABLE="1"))
-    return tiny.run_engine(checkpoint(model_type), probe=True, kv_cache=True, **options)
-
-
-def overrides(model_type: str) -> dict:
-    return tiny.overrides(model_type)
-
-
-def assert_matches(expected, actual) -> float:
-    """Equal greedy tokens, logprobs within `LOGPROB_ATOL`; returns the largest gap."""
-    assert len(actual) == len(expected)
-    worst = 0.0
-    for i, (want, got) in enumerate(zip(expected, actual)):
-        assert got.prompt_ids == want.prompt_ids
-        assert got.token_ids == want.token_ids, (
-            f"prompt {i}: greedy tokens differ:\n  expected {want.token_ids}\n"
-            f"  got      {got.token_ids}"
-        )
-        gap = max(abs(a - b) for a, b in zip(want.logprobs, got.logprobs))
-        assert gap <= LOGPROB_ATOL, f"prompt {i}: logprobs differ by {gap:.3g}"
-        worst = max(worst, gap)
-    return worst
-
-
-def report(what: str, run: tiny.EngineRun, gap: float) -> None:
-    print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
+    return tiny.run_engine(
+        tiny.checkpoint(model_type), probe=True, kv_cache=True, **options
+    )
 
 
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_reference_is_well_separated(model_type):
     """Greedy choices must not hinge on float32 noise (no engine)."""
-    margin = min(min(c.margins) for c in reference(model_type))
+    margin = min(min(c.margins) for c in tiny.cached_reference(model_type))
     assert margin >= tiny.MIN_MARGIN, f"{model_type}: top-1/top-2 margin {margin:.3g}"
 
 
@@ -86,15 +50,15 @@ def test_reference_is_well_separated(model_type):
 def test_mla_matches_transformers(model_type):
     """Through `MLAAttention`, attached to every decoder layer's attention module."""
     run = engine(model_type, mla=True)
-    gap = assert_matches(reference(model_type), run.completions)
+    gap = tiny.compare(tiny.cached_reference(model_type), run.completions)
     (worker,) = run.probe
-    layers = overrides(model_type)["num_hidden_layers"]
+    layers = tiny.overrides(model_type)["num_hidden_layers"]
     assert [a["layer_name"] for a in worker["attached"]] == [
         f"model.layers.{i}.self_attn.attn" for i in range(layers)
     ]
     assert {a["attn_class"] for a in worker["attached"]} == {"MLAAttention"}
     assert "(MLA)" in run.log  # the fusion report's verdict
-    report(f"{model_type} (MLA) vs Transformers", run, gap)
+    tiny.report(f"{model_type} (MLA) vs Transformers", run, gap)
 
 
 @pytest.mark.engine
@@ -103,10 +67,10 @@ def test_mla_disabled_matches_transformers(model_type):
     """`VLLM_MLA_DISABLE=1`: the same model as plain attention (the HF forward
     expands the latent; values narrower than the heads are padded)."""
     run = engine(model_type, mla=False)
-    gap = assert_matches(reference(model_type), run.completions)
+    gap = tiny.compare(tiny.cached_reference(model_type), run.completions)
     (worker,) = run.probe
     assert {a["attn_class"] for a in worker["attached"]} == {"Attention"}
-    report(f"{model_type} (MLA disabled) vs Transformers", run, gap)
+    tiny.report(f"{model_type} (MLA disabled) vs Transformers", run, gap)
 
 
 @pytest.mark.engine
@@ -114,7 +78,7 @@ def test_mla_disabled_matches_transformers(model_type):
 def test_kv_cache_per_token_is_the_latent(model_type):
     """Per layer and token, the engine caches `kv_lora_rank + qk_rope_head_dim` values
     under MLA; with MLA disabled, keys and values of every head."""
-    config = overrides(model_type)
+    config = tiny.overrides(model_type)
     latent = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * FLOAT32_BYTES
     head_size = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     full = 2 * config["num_key_value_heads"] * head_size * FLOAT32_BYTES

@@ -25,6 +25,7 @@ Command line (the engine runner uses the second form):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -801,6 +802,60 @@ def stop(process: subprocess.Popen, grace: float = 30) -> None:
         pass
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+LOGPROB_ATOL = 5e-5
+"""float32: two correct implementations differ by ~1e-5 on these models (Transformers
+float32 against float64 already does); a wrong scale, window or cap moves them by 1e-2+."""
+
+
+@functools.cache
+def checkpoint(model_type: str) -> Path:
+    """`build(model_type)`, once per process."""
+    return build(model_type)
+
+
+@functools.cache
+def cached_reference(model_type: str) -> tuple[Completion, ...]:
+    """`reference()` of the tiny `model_type` checkpoint, once per process."""
+    return tuple(reference(checkpoint(model_type)))
+
+
+def compare(
+    expected: tuple[Completion, ...] | list[Completion],
+    actual: list[Completion],
+    atol: float = LOGPROB_ATOL,
+) -> float:
+    """Assert equal greedy tokens and close logprobs; return the largest logprob gap."""
+    assert len(actual) == len(expected)
+    worst = 0.0
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        assert got.prompt_ids == want.prompt_ids
+        first_diff = next(
+            (
+                t
+                for t, (a, b) in enumerate(zip(want.token_ids, got.token_ids))
+                if a != b
+            ),
+            None,
+        )
+        assert got.token_ids == want.token_ids, (
+            f"prompt {i}: greedy tokens differ from step {first_diff}:\n"
+            f"  expected {want.token_ids}\n  got      {got.token_ids}"
+        )
+        gaps = [abs(a - b) for a, b in zip(want.logprobs, got.logprobs)]
+        worst = max(worst, *gaps)
+        step = max(range(len(gaps)), key=gaps.__getitem__)
+        assert gaps[step] <= atol, (
+            f"prompt {i}: logprob of token {step} differs by {gaps[step]:.3g} "
+            f"(expected {want.logprobs[step]:.6f}, got {got.logprobs[step]:.6f}; "
+            f"tolerance {atol:g})"
+        )
+    return worst
+
+
+def report(what: str, run: EngineRun, gap: float) -> None:
+    print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
 
 
 def main(argv: list[str]) -> None:
