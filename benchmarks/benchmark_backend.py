@@ -514,13 +514,13 @@ def print_profiles(profiles: dict[str, dict[str, Any]]) -> None:
 
 def _clear_caches() -> None:
     """Forget every fuser verdict and every per-class analysis this process made."""
-    from vllm.model_executor.models.transformers import fx_utils
-    from vllm.model_executor.models.transformers.fuser import get_fusers
+    from vllm.model_executor.models.transformers import fuser, rewriting, tracing
 
-    get_fusers.cache_clear()
-    for value in vars(fx_utils).values():
-        if callable(getattr(value, "cache_clear", None)):
-            value.cache_clear()
+    fuser.clear_cache()
+    for module in (rewriting, tracing):
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
 
 
 def _vllm_config(layers: int, folder: str):

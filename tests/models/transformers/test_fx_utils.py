@@ -16,12 +16,12 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 from vllm.model_executor.models.transformers import fx_utils
-from vllm.model_executor.models.transformers.fx_utils import (
+from vllm.model_executor.models.transformers import rewriting
+from vllm.model_executor.models.transformers.rewriting import (
     ForwardRewrite,
     FusionDeclined,
-    attention_call,
-    trace,
 )
+from vllm.model_executor.models.transformers.tracing import attention_call, trace
 
 
 def llama_config():
@@ -123,9 +123,9 @@ def test_rewrite_compiles_in_the_original_module_globals():
     (call,) = [
         n
         for n in ast.walk(rewrite.tree)
-        if isinstance(n, ast.Call) and fx_utils.is_self_attribute(n.func, "up_proj")
+        if isinstance(n, ast.Call) and rewriting.is_self_attribute(n.func, "up_proj")
     ]
-    rewrite.replace(call, fx_utils.parse_expression("self.gate_proj(x)"))
+    rewrite.replace(call, rewriting.parse_expression("self.gate_proj(x)"))
     statement = ast.parse("x = x * 2").body[0]
     rewrite.insert_before(rewrite.tree.body[0], statement)
     forward = rewrite.compile()
@@ -242,4 +242,4 @@ def test_a_name_rebound_between_uses_does_not_hold_one_value():
     ],
 )
 def test_merged_names_keep_what_the_originals_share(names, merged):
-    assert fx_utils.merged_name(names, nn.Module()) == merged
+    assert rewriting.merged_name(names, nn.Module()) == merged

@@ -14,7 +14,7 @@ from cachetools import cached
 from torch import fx, nn
 
 from vllm.logger import init_logger
-from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
@@ -43,7 +43,7 @@ def _trace_if_needed(module: nn.Module) -> fx.Graph | None:
     """Trace `module` only if a fuser that reads graphs could match it."""
     if not any(f.needs_graph and f.could_match(module) for f in FUSERS):
         return None
-    return fx_utils.trace(module).graph
+    return tracing.trace(module).graph
 
 
 @cached(cache={}, key=key)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Self
 
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers.fx_utils import forward_source
+from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 if TYPE_CHECKING:

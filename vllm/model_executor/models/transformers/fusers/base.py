@@ -20,9 +20,10 @@ from torch import fx, nn
 
 from vllm.logger import init_logger
 
-# Defined beside the rewrites that raise it (fx_utils cannot import fusers/), and
+# Defined beside the rewrites that raise it (rewriting.py cannot import fusers/),
+# and
 # re-exported here as part of the fuser contracts.
-from vllm.model_executor.models.transformers.fx_utils import FusionDeclined  # noqa: F401
+from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

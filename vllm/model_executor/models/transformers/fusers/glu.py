@@ -12,6 +12,8 @@ from torch import fx, nn
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import rewriting
+from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
@@ -20,7 +22,7 @@ from vllm.model_executor.models.transformers.fusers.qkv import (
     called_once,
     row_parallel,
 )
-from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,7 +32,7 @@ def _activation(node: fx.Node, module: nn.Module) -> str | None:
     """vLLM's act-and-mul name for the activation `node` applies, from what it computes
     (`F.silu`, `F.gelu`), whether it is a function call or a child module."""
     if (child := fx_utils.submodule(node, module)) is not None:
-        traced = fx_utils.trace(child)
+        traced = tracing.trace(child)
         calls = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
         if not traced.complete or len(calls) != 1:
             return None
@@ -133,13 +135,13 @@ class GLUFuser(StackedFuser):
         # it only here.
         replaced = act.op == "call_module" and not called_once(graph, [act.target])
         return cls(
-            fused_name=fx_utils.merged_name(names, module),
+            fused_name=rewriting.merged_name(names, module),
             shards={gate.target: 0, up.target: 1},
             activation=activation,
             activation_name=(
                 act.target
                 if replaced
-                else fx_utils.fresh_attribute(module, "act_and_mul")
+                else rewriting.fresh_attribute(module, "act_and_mul")
             ),
             down_name=down.target,
             spans={
@@ -174,7 +176,7 @@ class GLUFuser(StackedFuser):
         for binding in bindings:
             rewrite.remove(binding)
         fused = f"self.{self.activation_name}(self.{self.fused_name}({x}))"
-        rewrite.replace(product, fx_utils.parse_expression(fused))
+        rewrite.replace(product, rewriting.parse_expression(fused))
         self.fused_forward = rewrite.compile()
 
     def update_attrs(

@@ -17,13 +17,15 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
 )
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import rewriting
+from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
 )
 from vllm.model_executor.models.transformers.fusers.qkv import called_once, row_parallel
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
-from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ def _is_rms_norm(child: nn.Module) -> bool:
     """Whether `child` computes an RMSNorm, as `RMSNormFuser` recognises one."""
     if not RMSNormFuser.could_match(child):
         return False
-    return RMSNormFuser.match(fx_utils.trace(child).graph, child) is not None
+    return RMSNormFuser.match(tracing.trace(child).graph, child) is not None
 
 
 def _sliced_from(node: object) -> object:
@@ -154,7 +156,7 @@ def _latent_parameter(tree: ast.FunctionDef, kv_b: str) -> int:
     applied = [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and fx_utils.is_self_attribute(n.func, kv_b)
+        if isinstance(n, ast.Call) and rewriting.is_self_attribute(n.func, kv_b)
     ]
     if len(applied) != 1 or len(applied[0].args) != 1 or applied[0].keywords:
         raise FusionDeclined(
@@ -365,7 +367,7 @@ class MLAFuser(StackedFuser):
         fused_name = ""
         if q_a is not None:
             shards = {q_a.target: 0, kv_a: 1}
-            fused_name = fx_utils.fresh_attribute(module, "fused_qkv_a_proj")
+            fused_name = rewriting.fresh_attribute(module, "fused_qkv_a_proj")
             spans[q_a.target], spans[kv_a] = (
                 q_a.meta.get("span"),
                 kv.linear.meta.get("span"),
@@ -481,7 +483,7 @@ class MLAFuser(StackedFuser):
         call = rewrite.expression_at(self.spans["expansion"])
         if not (
             isinstance(call, ast.Call)
-            and fx_utils.is_self_attribute(call.func)
+            and rewriting.is_self_attribute(call.func)
             and len(call.args) == 2
             and not call.keywords
             and not any(isinstance(a, ast.Starred) for a in call.args)

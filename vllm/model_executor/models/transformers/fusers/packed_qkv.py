@@ -11,6 +11,7 @@ from torch import fx, nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     RewriteFuser,
@@ -28,7 +29,7 @@ from vllm.model_executor.models.transformers.fusers.qkv import (
     resolve,
     row_parallel,
 )
-from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -276,6 +277,6 @@ def _split(tensor: ast.expr, sizes: str, dim: ast.expr) -> ast.Call:
     """`<tensor>.split(<sizes>, dim=<dim>)`."""
     return ast.Call(
         ast.Attribute(tensor, "split", ast.Load()),
-        [fx_utils.parse_expression(sizes)],
+        [rewriting.parse_expression(sizes)],
         [ast.keyword("dim", dim)],
     )

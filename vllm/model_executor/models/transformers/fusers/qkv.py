@@ -11,11 +11,12 @@ from torch import fx, nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import QKVParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
 )
-from vllm.model_executor.models.transformers.fx_utils import ForwardRewrite, Span
+from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 if TYPE_CHECKING:
@@ -277,7 +278,7 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
             if _spans_heads(node, module, head_size)
         )
         return cls(
-            fused_name=fx_utils.merged_name(names, module),
+            fused_name=rewriting.merged_name(names, module),
             shards=dict(zip(names, "qkv")),
             output_name=output.target,
             head_size_attribute=head_size_attribute,

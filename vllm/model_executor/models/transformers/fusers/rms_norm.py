@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class RMSNormFuser(BaseFuser):
             return cls.decline(
                 module, "something other than a weight follows the normalisation"
             )
-        if _dtype(scaled) not in (fx_utils.PROBE_DTYPE, torch.float32) or (
+        if _dtype(scaled) not in (tracing.PROBE_DTYPE, torch.float32) or (
             _dtype(normalised) != _dtype(scaled)
         ):
             return cls.decline(
@@ -182,7 +183,7 @@ class RMSNormFuser(BaseFuser):
             weight = weight_term
         if reason := cls._weight_reason(weight, fx_utils.value(core.x)):
             return cls.decline(module, reason)
-        if _dtype(output) != fx_utils.PROBE_DTYPE:
+        if _dtype(output) != tracing.PROBE_DTYPE:
             return cls.decline(
                 module, f"it returns {_dtype(output)}, not its input's dtype"
             )

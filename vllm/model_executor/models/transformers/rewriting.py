@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A class's forward as source: read it, splice it, compile it again.
+
+`ForwardRewrite` is a copy of a class's forward source to splice (insert a statement,
+replace an expression) and compile again in the original module's globals. What
+cannot be recompiled safely raises `FusionDeclined`. Rewritten forwards carry no
+annotations, so a forward annotated with names its module imports only for type
+checkers (`from __future__ import annotations` plus `TYPE_CHECKING`) recompiles too.
+"""
+
+import ast
+import copy
+import functools
+import inspect
+import os
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+class FusionDeclined(Exception):
+    """A pattern that almost matched, or a rewrite that cannot be applied safely."""
+
+
+Span = tuple[int, int, int, int]
+"""`(line, column, end line, end column)` of an expression in its file."""
+
+@dataclass(frozen=True)
+class ForwardSource:
+    """The parsed source of a class's `forward`, and where it was read from."""
+
+    tree: ast.FunctionDef
+    filename: str
+    first_line: int
+    indent: int = 0
+    """Columns removed by dedenting, to map the tree's positions back to the file."""
+
+    def location(self, node: ast.AST) -> str:
+        """`file:line` of `node` in the original file."""
+        return f"{self.filename}:{self.first_line + getattr(node, 'lineno', 1) - 1}"
+
+    def span(self, node: ast.AST) -> Span:
+        """Where `node` sits in its file, comparable with a graph node's span."""
+        offset = self.first_line - 1
+        return (
+            node.lineno + offset,
+            node.col_offset + self.indent,
+            node.end_lineno + offset,
+            node.end_col_offset + self.indent,
+        )
+
+
+@functools.cache
+def forward_source(cls: type[nn.Module]) -> ForwardSource | None:
+    """The source of `cls.forward`, or `None` where Python cannot recover it."""
+    forward = inspect.unwrap(cls.forward)
+    try:
+        lines, first_line = inspect.getsourcelines(forward)
+        filename = inspect.getsourcefile(forward) or "?"
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    function = tree.body[0]
+    if not isinstance(function, ast.FunctionDef):
+        return None
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    return ForwardSource(function, filename, first_line, indent)
+
+
+def _is_private(name: str) -> bool:
+    """Names Python mangles inside a class body, which recompiling outside would not."""
+    return name.startswith("__") and not name.endswith("__")
+
+
+def _stored_names(tree: ast.AST) -> Iterator[ast.Name]:
+    """Every name `tree` binds or deletes."""
+    return (
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    )
+
+
+def is_self_attribute(node: ast.AST, name: str | None = None) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and (name is None or node.attr == name)
+    )
+
+
+class ForwardRewrite:
+    """A copy of a class's forward source to splice, then compile in the globals of the
+    module that defines it (so it sees that module's imports, as the original did).
+
+    Raises `FusionDeclined` for a forward that cannot be recompiled safely: no source,
+    free variables (a closure, `super()`), name-mangled private names, or a wrapper
+    that its source does not reproduce."""
+
+    def __init__(self, cls: type[nn.Module]):
+        self.function = inspect.unwrap(cls.forward)
+        source = forward_source(cls)
+        name = f"{cls.__name__}.forward"
+        if source is None:
+            raise FusionDeclined(f"{name} has no source to rewrite")
+        if free := self.function.__code__.co_freevars:
+            raise FusionDeclined(
+                f"{name} uses free variables {list(free)} (a closure or super())"
+            )
+        private = sorted(
+            {
+                n.id
+                for n in ast.walk(source.tree)
+                if isinstance(n, ast.Name) and _is_private(n.id)
+            }
+            | {
+                n.attr
+                for n in ast.walk(source.tree)
+                if isinstance(n, ast.Attribute) and _is_private(n.attr)
+            }
+        )
+        if private:
+            raise FusionDeclined(f"{name} uses name-mangled private names {private}")
+        if cls.forward is not self.function and not source.tree.decorator_list:
+            raise FusionDeclined(
+                f"{name} is wrapped by something its source does not show"
+            )
+        self.source = source
+        self.tree = copy.deepcopy(source.tree)
+
+    def expression_at(self, span: Span | None) -> ast.expr | None:
+        """The expression of this forward at `span` (a graph node's), if any."""
+        if span is None:
+            return None
+        return next(
+            (
+                n
+                for n in ast.walk(self.tree)
+                if isinstance(n, ast.expr)
+                and hasattr(n, "end_lineno")
+                and self.source.span(n) == span
+            ),
+            None,
+        )
+
+    def self_call(self, span: Span | None, name: str) -> ast.Call:
+        """The call `self.<name>(x)` at `span`, with one positional argument."""
+        node = self.expression_at(span)
+        if not (
+            isinstance(node, ast.Call)
+            and is_self_attribute(node.func, name)
+            and len(node.args) == 1
+            and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)
+        ):
+            raise FusionDeclined(
+                f"self.{name} is not called as `self.{name}(x)` in forward"
+            )
+        return node
+
+    def references(self, name: str) -> list[ast.Attribute]:
+        """Every `self.<name>` in the forward."""
+        return [n for n in ast.walk(self.tree) if is_self_attribute(n, name)]
+
+    def expect_single_use(self, name: str) -> None:
+        """Raise unless `self.<name>` appears once: the fused module replaces it."""
+        if (uses := len(self.references(name))) != 1:
+            raise FusionDeclined(f"forward uses self.{name} {uses} times, not once")
+
+    def calls_on_one_name(self, spans: dict[str, Span]) -> tuple[list[ast.Call], str]:
+        """The calls `self.<child>(x)` at `spans` (child -> span), each child used
+        nowhere else in forward, all of the same local `x` holding one value across
+        them; and `x`."""
+        calls = [self.self_call(span, name) for name, span in spans.items()]
+        for name in spans:
+            self.expect_single_use(name)
+        x = calls[0].args[0]
+        if not isinstance(x, ast.Name) or any(
+            ast.dump(c.args[0]) != ast.dump(x) for c in calls
+        ):
+            raise FusionDeclined(
+                f"{', '.join(spans)} are not applied to one local name"
+            )
+        if not self.holds_one_value(x.id, calls):
+            raise FusionDeclined(f"`{x.id}` changes between {', '.join(spans)}")
+        return calls, x.id
+
+    def fresh_name(self, base: str) -> str:
+        """`base`, with underscores appended until no name of the forward is it."""
+        taken = {n.id for n in ast.walk(self.tree) if isinstance(n, ast.Name)}
+        taken |= {a.arg for a in ast.walk(self.tree) if isinstance(a, ast.arg)}
+        while base in taken:
+            base += "_"
+        return base
+
+    def stores(self, name: str) -> list[ast.Name]:
+        return [n for n in _stored_names(self.tree) if n.id == name]
+
+    def loads(self, name: str) -> list[ast.Name]:
+        return [
+            n
+            for n in ast.walk(self.tree)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+
+    def _parent(self, node: ast.AST) -> ast.AST | None:
+        return next(
+            (
+                p
+                for p in ast.walk(self.tree)
+                if any(c is node for c in ast.iter_child_nodes(p))
+            ),
+            None,
+        )
+
+    def _blocks(self, node: ast.AST) -> list[tuple[list[ast.stmt], int]]:
+        """The statement lists enclosing `node`, innermost first, each with the index
+        of the statement that holds `node`."""
+        chain = []
+        while (parent := self._parent(node)) is not None:
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(parent, field, None)
+                if isinstance(block, list) and any(s is node for s in block):
+                    chain.append(
+                        (block, next(i for i, s in enumerate(block) if s is node))
+                    )
+            node = parent
+        return chain
+
+    def statement(self, node: ast.AST) -> ast.stmt:
+        """The innermost statement holding `node`."""
+        block, index = self._blocks(node)[0]
+        return block[index]
+
+    def region(self, nodes: list[ast.AST]) -> tuple[list[ast.stmt], int, int]:
+        """The innermost block holding all `nodes`, and the first and last index of
+        its statements that hold one of them."""
+        chains = [self._blocks(n) for n in nodes]
+        for block, _ in chains[0]:
+            indices = [next((i for b, i in c if b is block), None) for c in chains]
+            if all(i is not None for i in indices):
+                return block, min(indices), max(indices)
+        raise AssertionError("nodes of one function share its body")
+
+    def holds_one_value(self, name: str, nodes: list[ast.AST]) -> bool:
+        """Whether the local `name` is bound before the statements holding `nodes`
+        and not rebound among them, so an expression reading it means the same there
+        as at each of `nodes`."""
+        block, first, last = self.region(nodes)
+        # The last statement may assign the name: its value is computed first.
+        end = block[last]
+        end_value = (
+            end.value
+            if isinstance(end, ast.Assign | ast.AnnAssign | ast.AugAssign)
+            else end
+        )
+        if any(
+            n.id == name
+            for tree in (*block[first:last], end_value)
+            if tree is not None
+            for n in _stored_names(tree)
+        ):
+            return False
+        arguments = {a.arg for a in ast.walk(self.tree.args) if isinstance(a, ast.arg)}
+        if name in arguments:
+            return True
+        # Bound by a statement that runs before the region, at its level or above.
+        return any(
+            n.id == name
+            for b, index in [(block, first), *self._blocks(block[first])[1:]]
+            for s in b[:index]
+            for n in _stored_names(s)
+        )
+
+    def stack_calls(self, spans: dict[str, Span], fused: str) -> None:
+        """Replace the calls `self.<child>(x)` at `spans` (child -> span) by the parts
+        of one call `self.<fused>(x)`, split by its per-rank output sizes in the order
+        of `spans`, placed before the first of them."""
+        calls, x = self.calls_on_one_name(spans)
+        block, first, _ = self.region(calls)
+        outputs = [self.fresh_name(f"{name}_out") for name in spans]
+        split = ast.parse(
+            f"{', '.join(outputs)} = self.{fused}({x})"
+            f".split(self.{fused}.output_partition_sizes, dim=-1)"
+        )
+        self.insert_before(block[first], split.body[0])
+        for call, output in zip(calls, outputs):
+            self.replace(call, ast.Name(output, ast.Load()))
+
+    def replace(self, old: ast.AST, new: ast.AST) -> None:
+        """Put `new` where `old` is."""
+        parent = self._parent(old)
+        for field, current in ast.iter_fields(parent):
+            if current is old:
+                setattr(parent, field, new)
+                return
+            if isinstance(current, list) and any(c is old for c in current):
+                current[next(i for i, c in enumerate(current) if c is old)] = new
+                return
+
+    def insert_before(self, anchor: ast.stmt, statement: ast.stmt) -> None:
+        block, index = self._blocks(anchor)[0]
+        block.insert(index, statement)
+
+    def remove(self, statement: ast.stmt) -> None:
+        block, index = self._blocks(statement)[0]
+        del block[index]
+
+    def compile(self) -> Callable:
+        """The rewritten forward, as a plain function (decorators applied again)."""
+        module = ast.Module(body=[self.tree], type_ignores=[])
+        ast.fix_missing_locations(module)
+        ast.increment_lineno(module, self.source.first_line - 1)
+        namespace: dict[str, Any] = {}
+        exec(
+            compile(module, self.source.filename, "exec"),
+            self.function.__globals__,
+            namespace,
+        )
+        return namespace[self.tree.name]
+
+
+def parse_expression(source: str) -> ast.expr:
+    """The expression `source` (fusers build their replacements from source text)."""
+    return ast.parse(source, mode="eval").body
+
+
+def merged_name(names: list[str], module: nn.Module) -> str:
+    """A name for the fusion of `names`: their common prefix and suffix around the
+    parts that differ (`q_proj`, `k_proj`, `v_proj` -> `qkv_proj`; `gate_proj`,
+    `up_proj` -> `gate_up_proj`), made unique among `module`'s attributes."""
+    prefix = os.path.commonprefix(names)
+    suffix = os.path.commonprefix([n[len(prefix) :][::-1] for n in names])[::-1]
+    parts = [n[len(prefix) : len(n) - len(suffix)] for n in names]
+    joiner = "" if all(len(p) == 1 for p in parts) else "_"
+    return fresh_attribute(module, f"{prefix}{joiner.join(parts)}{suffix}")
+
+
+def fresh_attribute(module: nn.Module, name: str) -> str:
+    """`name`, suffixed until `module` has no attribute of that name."""
+    while hasattr(module, name):
+        name += "_fused"
+    return name
