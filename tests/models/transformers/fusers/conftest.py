@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.model_executor.models.transformers.fuser import get_fusers
-from vllm.model_executor.models.transformers.fusers.base import DECLINED, BaseFuser
+from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 TOLERANCES = {
@@ -42,16 +42,21 @@ def vllm_config(_session_vllm_config: VllmConfig) -> Iterator[VllmConfig]:
 def clean_registry() -> Iterator[None]:
     """Each test finds its fusers afresh: the registry caches by class and children,
     and tests reuse classes with other shapes."""
-    get_fusers.cache_clear()
-    DECLINED.clear()
+    registry.clear_cache()
     yield
-    get_fusers.cache_clear()
+    registry.clear_cache()
 
 
 @pytest.fixture
 def declined() -> Callable[[type[BaseFuser]], list[str]]:
-    """`declined(fuser)`: the reasons recorded for declining `fuser` in this test."""
-    return lambda fuser: [d.reason for d in DECLINED if d.fuser == fuser.__name__]
+    """`declined(fuser)`: the reasons the class analyses of this test recorded for
+    declining `fuser`."""
+    return lambda fuser: [
+        d.reason
+        for analysis in registry.analyse.cache.values()
+        for d in analysis.declined
+        if d.fuser == fuser.__name__
+    ]
 
 
 @pytest.fixture
@@ -89,7 +94,9 @@ def _fuse(
     weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
     parent = nn.Module()
     parent.m = module
-    applied = [f for f in get_fusers(module) if f.validate(module, vllm_config)]
+    applied = [
+        f for f in registry.get_fusers(module) if f.validate(module, vllm_config)
+    ]
     stacked = {}
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

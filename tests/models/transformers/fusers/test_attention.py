@@ -1,15 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """AttentionFuser on real HF architectures built on `meta`, and on small modules."""
 
+import linecache
+
 import pytest
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaAttention
 
 from vllm.model_executor.models.transformers.fuser import get_fuser
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
-from vllm.model_executor.models.transformers.fusers.base import DECLINED
+from vllm.model_executor.models.transformers.fusers.base import Declined
 
 
 def meta_model(model_type: str, **overrides) -> nn.Module:
@@ -57,7 +60,7 @@ def test_layer_index_is_the_modules_own():
 def test_scale_is_the_declared_one_for_gemma():
     model = meta_model("gemma3_text", head_dim=64, query_pre_attn_scalar=100)
     for module, fuser in attention_modules(model).values():
-        assert fuser.scale(module, default=64**-0.5) == pytest.approx(100**-0.5)
+        assert fuser.scale(module) == pytest.approx(100**-0.5)
 
 
 def test_scale_is_the_declared_one_for_deepseek_yarn():
@@ -74,7 +77,7 @@ def test_scale_is_the_declared_one_for_deepseek_yarn():
     model = meta_model("deepseek_v3", rope_parameters=rope)
     head_size = model.config.qk_nope_head_dim + model.config.qk_rope_head_dim
     for module, fuser in attention_modules(model).values():
-        scale = fuser.scale(module, default=head_size**-0.5)
+        scale = fuser.scale(module)
         assert scale == pytest.approx(module.scaling)
         assert scale > head_size**-0.5 * 1.5  # the yarn mscale is applied
 
@@ -84,17 +87,23 @@ def test_scale_is_the_argument_not_the_attribute():
     model = meta_model("opt")
     for module, fuser in attention_modules(model).values():
         assert module.scaling != 1.0
-        assert fuser.scale(module, default=module.head_dim**-0.5) == 1.0
+        assert fuser.scale(module) == 1.0
 
 
-def test_no_scaling_argument_means_the_default():
+def test_no_scaling_argument_means_the_modules_own_head_size():
     class NoScaling(nn.Module):
+        def __init__(self, head_dim: int):
+            super().__init__()
+            self.head_dim = head_dim
+
         def forward(self, q, k, v):
             interface = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
             return interface(self, q, k, v, None)
 
-    fuser = AttentionFuser.match(None, NoScaling())
-    assert fuser.scale(NoScaling(), default=0.25) == 0.25
+    fuser = AttentionFuser.match(None, NoScaling(16))
+    # One argument, as the design note says; each instance its own head size.
+    assert fuser.scale(NoScaling(16)) == 0.25
+    assert fuser.scale(NoScaling(64)) == 0.125
 
 
 def test_unresolvable_scale_is_a_clear_error():
@@ -107,9 +116,9 @@ def test_unresolvable_scale_is_a_clear_error():
     fuser = AttentionFuser.match(None, module)
     with pytest.raises(
         ValueError,
-        match=r"ComputedScale passes scaling=self.head_dim \*\* \(-0.5\).*cannot resolve",
+        match=r"ComputedScale \(layer \?, .*\) passes scaling=self.head_dim \*\* \(-0.5\).*cannot resolve",
     ):
-        fuser.scale(module, default=1.0)
+        fuser.scale(module)
 
 
 def test_two_interface_calls_are_declined_with_a_reason():
@@ -119,9 +128,10 @@ def test_two_interface_calls_are_declined_with_a_reason():
             first, _ = interface(self, q, k, v, None)
             return interface(self, first, k, v, None)
 
-    assert AttentionFuser.match(None, TwoCalls()) is None
-    assert DECLINED[-1].module_class == "TwoCalls"
-    assert "calls it 2 times" in DECLINED[-1].reason
+    declined = AttentionFuser.match(None, TwoCalls())
+    assert isinstance(declined, Declined)
+    assert declined.module_class == "TwoCalls"
+    assert "calls it 2 times" in declined.reason
 
 
 def test_module_without_interface_does_not_match():
@@ -145,3 +155,103 @@ def test_layer_index_must_be_declared():
         ValueError, match="LlamaAttention .* declares no integer `layer_idx`"
     ):
         fuser.layer_index(module)
+
+
+class CallsWith(nn.Module):
+    """An attention module whose call passes `self.call_kwargs`' names, each bound
+    to an attribute of the module (set per test)."""
+
+    def __init__(self, layer_idx: int = 0, head_dim: int = 16, **attributes):
+        super().__init__()
+        self.layer_idx, self.head_dim = layer_idx, head_dim
+        self.num_heads, self.num_key_value_heads = 4, 2
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+
+def _calling(keywords: str) -> type[nn.Module]:
+    """A `CallsWith` subclass whose forward passes `keywords` to the interface (its
+    source registered with `linecache`, where `inspect` reads it)."""
+    source = (
+        "def forward(self, q, k, v):\n"
+        "    interface = ALL_ATTENTION_FUNCTIONS.get_interface('sdpa', None)\n"
+        f"    return interface(self, q, k, v, None, {keywords})\n"
+    )
+    filename = f"<calling {keywords}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"ALL_ATTENTION_FUNCTIONS": ALL_ATTENTION_FUNCTIONS}
+    exec(compile(source, filename, "exec"), namespace)
+    return type("Calling", (CallsWith,), {"forward": namespace["forward"]})
+
+
+def _needs(module: nn.Module):
+    fuser = AttentionFuser.match(None, module)
+    return fuser.attention_needs(module, vllm_config=None)
+
+
+def test_sinks_from_s_aux_are_honoured():
+    cls = _calling("s_aux=self.sinks")
+    module = cls(sinks=nn.Parameter(torch.zeros(4)))
+    assert _needs(module).sinks == "sinks"
+
+
+def test_s_aux_that_is_not_a_parameter_is_refused_naming_layer_and_argument():
+    cls = _calling("s_aux=q.new_zeros(4)")
+    with pytest.raises(ValueError, match=r"Calling \(layer 3, .*\) passes s_aux="):
+        _needs(cls(layer_idx=3))
+
+
+def test_is_causal_false_is_encoder_only_attention():
+    assert _needs(_calling("is_causal=False")()).causal is False
+    assert _needs(_calling("is_causal=self.is_causal")(is_causal=True)).causal
+
+
+def test_per_call_sliding_window_and_softcap_are_the_instances():
+    cls = _calling("sliding_window=self.sliding_window, softcap=self.cap")
+    needs = _needs(cls(sliding_window=8, cap=30.0))
+    assert (needs.sliding_window, needs.logits_soft_cap) == (8, 30.0)
+    assert _needs(cls(sliding_window=None, cap=None)).sliding_window is None
+
+
+def test_an_argument_vllm_cannot_honour_is_refused_naming_it():
+    cls = _calling("position_bias=self.bias")
+    with pytest.raises(
+        ValueError, match=r"Calling \(layer 1, .*\) passes position_bias= .*cannot"
+    ):
+        _needs(cls(layer_idx=1, bias=None))
+
+
+def test_chunked_layer_types_are_refused_naming_the_layer():
+    module = _calling("scaling=1.0")()
+    module.config = AutoConfig.for_model(
+        "llama", layer_types=["chunked_attention"], num_hidden_layers=1
+    )
+    with pytest.raises(ValueError, match=r"layer_types\[0\] is 'chunked_attention'"):
+        _needs(module)
+
+
+def test_heads_are_read_per_instance():
+    # Gemma 4 style: layers of one class with other head sizes. The class is analysed
+    # on the first instance; the second gets its own heads and scale.
+    def attention(head_dim: int, heads: int) -> nn.Module:
+        config = AutoConfig.for_model(
+            "llama", hidden_size=128, num_attention_heads=heads, head_dim=head_dim
+        )
+        with torch.device("meta"):
+            return LlamaAttention(config, layer_idx=0)
+
+    small, large = attention(32, 4), attention(64, 2)
+    fuser = get_fuser(small, AttentionFuser)
+    assert get_fuser(large, AttentionFuser) is fuser  # one class verdict
+    needs = fuser.attention_needs(large, None)
+    assert (needs.head_size, needs.num_heads, needs.num_kv_heads) == (64, 2, 2)
+    assert needs.scale == pytest.approx(64**-0.5)
+    assert fuser.attention_needs(small, None).head_size == 32
+
+
+def test_heads_that_disagree_with_the_projections_are_an_error():
+    model = meta_model("llama", hidden_size=128, num_attention_heads=4)
+    module, fuser = attention_modules(model)["layers.0.self_attn"]
+    module.head_dim = 16  # the projections still produce heads of 32
+    with pytest.raises(ValueError, match=r"q_proj computes the q 128 wide"):
+        fuser.attention_needs(module, None)

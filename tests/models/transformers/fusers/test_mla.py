@@ -29,7 +29,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser, MLAFuser
-from vllm.model_executor.models.transformers.fusers.base import DECLINED
+from vllm.model_executor.models.transformers import fuser as registry
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 HIDDEN, HEADS, RANK, ROPE, NOPE, V_HEAD, Q_RANK = 128, 4, 512, 64, 64, 64, 96
@@ -266,7 +266,9 @@ def test_near_misses_are_declined_with_the_reason(build, reason, declined):
     assert get_fuser(module, MLAFuser) is None
     reasons = declined(MLAFuser)
     assert len(reasons) == 1 and reasons[0].startswith(reason), reasons
-    (record,) = [d for d in DECLINED if d.fuser == "MLAFuser"]
+    (record,) = [
+        d for d in registry.analyse(module).declined if d.fuser == "MLAFuser"
+    ]
     assert record.module_class == type(module).__name__
     assert "fusers/mla.py:" in record.location  # the code that decided
 
@@ -362,7 +364,7 @@ def fuse_like_the_backend(
     fused = parent.m
     fused.attn = LatentAttention(
         getattr(fused, mla.kv_b),
-        attention_fuser.scale(fused, default=(NOPE + ROPE) ** -0.5),
+        attention_fuser.scale(fused),
     )
     mapper = WeightsMapper(orig_to_new_stacked=stacked)
     AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))

@@ -5,18 +5,25 @@ attention-interface functions through which those modules reach it: `"vllm"` for
 vLLM's `Attention`, `"vllm_mla"` for its latent attention, `MLAAttention`."""
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention, MLAAttention
 from vllm.model_executor.layers.attention.mla_attention import get_mla_dims
-from vllm.model_executor.models.transformers.fuser import get_fuser
-from vllm.model_executor.models.transformers.fusers import AttentionFuser, MLAFuser
-from vllm.model_executor.models.transformers.fusers.base import DECLINED
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.v1.attention.backend import AttentionType
+from vllm.model_executor.models.transformers.fusers.base import AttentionNeeds
 from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,
@@ -94,37 +101,144 @@ def vllm_mla_attention_forward(
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """One HF module that dispatches attention, and the fuser that found it."""
+    """One HF module that dispatches attention, and what attention it needs."""
 
     qualname: str
     module: nn.Module
-    fuser: AttentionFuser
-    mla: MLAFuser | None = None
-    """The latent attention fused in this module, if it was."""
+    needs: AttentionNeeds
+    packed: dict[str, str]
+    """Original child name -> the merged child that now computes it (after fusion)."""
 
     @property
     def layer_index(self) -> int:
-        return self.fuser.layer_index(self.module)
+        return self.needs.layer_index
 
 
-def attention_sites(
-    modules: dict[str, tuple[nn.Module, AttentionFuser, MLAFuser | None]],
-) -> dict[int, AttentionSite]:
+def attention_sites(sites: list[AttentionSite]) -> dict[int, AttentionSite]:
     """The attention sites by the layer index each declares.
 
     Two modules claiming one index would share one KV cache, so that is an error."""
-    sites: dict[int, AttentionSite] = {}
-    for qualname, (module, fuser, mla) in modules.items():
-        site = AttentionSite(qualname, module, fuser, mla)
-        if (other := sites.get(site.layer_index)) is not None:
+    by_index: dict[int, AttentionSite] = {}
+    for site in sites:
+        if (other := by_index.get(site.layer_index)) is not None:
             raise ValueError(
-                f"{qualname} ({type(module).__name__}) and {other.qualname} "
+                f"{site.qualname} ({type(site.module).__name__}) and {other.qualname} "
                 f"({type(other.module).__name__}) both declare layer_idx="
                 f"{site.layer_index}, so they would share one KV cache. Each attention "
                 "module must declare its own `layer_idx`."
             )
-        sites[site.layer_index] = site
-    return sites
+        by_index[site.layer_index] = site
+    return by_index
+
+
+def _share(layer: nn.Module | None, role: str, shard: int) -> Fraction | None:
+    """The share of the `role` heads a child computes on one tensor-parallel rank:
+    1 where it is whole on every rank, `1/tp` where its output is split; `None` where
+    the child is unknown."""
+    if isinstance(layer, QKVParallelLinear):
+        if role == "q":
+            return Fraction(layer.num_heads, layer.total_num_heads)
+        return Fraction(layer.num_kv_heads, layer.total_num_kv_heads)
+    if isinstance(layer, ColumnParallelLinear):
+        if layer.gather_output or getattr(layer, "disable_tp", False):
+            return Fraction(1)
+        sizes = layer.output_partition_sizes
+        totals = getattr(layer, "output_sizes", None) or [layer.output_size]
+        index = shard if len(totals) == len(sizes) > shard else 0
+        return Fraction(sizes[index], totals[index])
+    if isinstance(layer, LinearBase | nn.Linear):
+        return Fraction(1)
+    return None
+
+
+def _input_share(layer: nn.Module | None) -> Fraction | None:
+    """The share of its input a child reads on one rank (the output projection)."""
+    if isinstance(layer, RowParallelLinear):
+        if not layer.input_is_parallel or getattr(layer, "disable_tp", False):
+            return Fraction(1)
+        return Fraction(layer.input_size_per_partition, layer.input_size)
+    if isinstance(layer, LinearBase | nn.Linear):
+        return Fraction(1)
+    return None
+
+
+def heads_per_rank(site: AttentionSite, tp_size: int) -> tuple[int, int]:
+    """The query and key/value heads `site`'s module feeds its attention on each
+    rank, read off the (swapped) children that compute them.
+
+    A construction error, naming the module and the fix, when they are not whole
+    heads, when query and key/value are split differently from each other or from
+    the output projection, or when nothing says how they are split under TP."""
+    needs, module = site.needs, site.module
+    shares: dict[str, Fraction] = {}
+    for role in ("q", "k", "v", "o"):
+        name = needs.sources.get(role)
+        if name is None:
+            continue
+        holder = site.packed.get(name, name)
+        layer = getattr(module, holder, None)
+        if role == "o":
+            share = _input_share(layer)
+        else:
+            members = [n for n, h in site.packed.items() if h == holder]
+            shard = members.index(name) if name in members and len(members) > 1 else 0
+            share = _share(layer, role, shard)
+        if share is not None:
+            shares[role] = share
+    describe = f"{site.qualname} ({type(module).__name__}, layer {site.layer_index})"
+    if tp_size == 1:
+        return needs.num_heads, needs.num_kv_heads
+    query = shares.get("q")
+    key_value = shares.get("k", shares.get("v"))
+    if query is None or key_value is None:
+        raise ValueError(
+            f"{describe}: tracing did not show which children compute its query, key "
+            f"and value, so under tensor parallelism ({tp_size} ranks) the backend "
+            "cannot check how many heads each rank feeds vLLM's attention. Serve it "
+            "with tensor_parallel_size=1, or make its forward traceable."
+        )
+    num_heads = needs.num_heads * query
+    num_kv_heads = needs.num_kv_heads * key_value
+    problems = []
+    if num_heads.denominator != 1 or num_kv_heads.denominator != 1:
+        problems.append(
+            f"{needs.num_heads} query / {needs.num_kv_heads} key-value heads are not "
+            "split into whole heads"
+        )
+    if query == 1 and num_kv_heads != needs.num_kv_heads:
+        problems.append("the query is whole on every rank but the keys are split")
+    if "o" in shares and shares["o"] != query:
+        problems.append(
+            f"{needs.sources['o']} reads {shares['o']} of the attention output on each "
+            f"rank, while the query carries {query} of the heads"
+        )
+    if problems:
+        raise ValueError(
+            f"{describe} under tensor parallelism ({tp_size} ranks): "
+            f"{'; '.join(problems)}. vLLM's attention would get other heads than it "
+            "is built with. Serve it with tensor_parallel_size=1, or give the model a "
+            "tensor-parallel plan that splits q/k/v column-wise and the output "
+            "projection row-wise."
+        )
+    return int(num_heads), max(1, int(num_kv_heads))
+
+
+def _sinks(site: AttentionSite, num_heads: int, tp_rank: int) -> torch.Tensor | None:
+    """The module's sink logits as vLLM's attention takes them: this rank's heads,
+    in float32, loaded in place from the checkpoint (`s_aux`)."""
+    name = site.needs.sinks
+    if name is None:
+        return None
+    total = site.needs.num_heads
+    start = tp_rank * num_heads if num_heads != total else 0
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded[start : start + num_heads].to(param.dtype))
+
+    sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+    sinks.weight_loader = load
+    setattr(site.module, name, sinks)
+    return sinks
 
 
 def attach_attention(
@@ -134,18 +248,19 @@ def attach_attention(
     prefix: str,
     layer_names: dict[int, str],
     report: FusionReport,
+    why_not_latent: dict[str, str],
 ) -> None:
     """Give each site in `layer_indices` a vLLM `Attention` as `attn` (an
-    `MLAAttention` when the model uses MLA).
+    `MLAAttention` where a fuser made it latent attention), built with the heads its
+    module feeds on this rank and every argument of its call honoured.
 
     Every layer in `layer_indices` must have a site: a layer vLLM cannot dispatch is a
     construction error naming that layer (`layer_names` says which module it is). So
-    is, under MLA, a layer whose attention did not fuse as latent attention."""
+    is, under MLA, a layer whose attention did not fuse as latent attention
+    (`why_not_latent` says why, by module name)."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
-    text_config = model_config.hf_text_config
-    layer_types = getattr(text_config, "layer_types", None)
-    head_size = model_config.get_head_size()
+    tp_size = parallel_config.tensor_parallel_size
     for index in layer_indices:
         site = sites.get(index)
         if site is None:
@@ -156,26 +271,40 @@ def attach_attention(
                 "needs every decoder layer's attention to dispatch through that "
                 "interface."
             )
-        sliding_window = soft_cap = None
+        needs = site.needs
+        layer_prefix = f"{prefix}{site.qualname}.{ATTN_ATTR}"
         attn: Attention | MLAAttention
         if model_config.use_mla:
-            attn = mla_attention(site, vllm_config, prefix, layer_names.get(index, "?"))
-            scale = attn.scale
+            if needs.latent is None:
+                raise ValueError(
+                    f"Decoder layer {index}: {layer_names.get(index, '?')}. Its "
+                    f"attention {site.qualname} ({type(site.module).__name__}) did not "
+                    "fuse as latent attention (MLA): "
+                    f"{why_not_latent.get(site.qualname, 'its forward has no latent attention pattern')}. "
+                    "The model's config says it uses MLA, so vLLM caches a "
+                    "compressed latent for every layer, which plain attention cannot "
+                    "use. Set VLLM_MLA_DISABLE=1 to serve every layer with plain "
+                    "attention instead."
+                )
+            attn = mla_attention(site, vllm_config, layer_prefix)
         else:
-            if layer_types is not None and layer_types[index] == "sliding_attention":
-                sliding_window = text_config.sliding_window
-            scale = site.fuser.scale(site.module, default=head_size**-0.5)
-            soft_cap = getattr(text_config, "attn_logit_softcapping", None)
+            num_heads, num_kv_heads = heads_per_rank(site, tp_size)
+            sinks = _sinks(site, num_heads, get_tensor_model_parallel_rank())
+            extra = {} if sinks is None else {"sinks": sinks}
             attn = Attention(
-                num_heads=model_config.get_num_attention_heads(parallel_config),
-                head_size=head_size,
-                scale=scale,
-                num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+                num_heads=num_heads,
+                head_size=needs.head_size,
+                scale=needs.scale,
+                num_kv_heads=num_kv_heads,
                 cache_config=vllm_config.cache_config,
                 quant_config=vllm_config.quant_config,
-                logits_soft_cap=soft_cap,
-                per_layer_sliding_window=sliding_window,
-                prefix=f"{prefix}{site.qualname}.{ATTN_ATTR}",
+                logits_soft_cap=needs.logits_soft_cap,
+                per_layer_sliding_window=needs.sliding_window,
+                attn_type=(
+                    AttentionType.DECODER if needs.causal else AttentionType.ENCODER_ONLY
+                ),
+                prefix=layer_prefix,
+                **extra,
             )
         setattr(site.module, ATTN_ATTR, attn)
         report.attention.append(
@@ -183,70 +312,45 @@ def attach_attention(
                 layer_index=index,
                 module=site.qualname,
                 module_class=type(site.module).__name__,
-                scale=scale,
-                sliding_window=sliding_window,
-                soft_cap=soft_cap,
+                scale=needs.scale,
+                sliding_window=needs.sliding_window,
+                soft_cap=needs.logits_soft_cap,
                 mla=isinstance(attn, MLAAttention),
             )
         )
         logger.info(
             "Attention: %s (%s) -> %s %s (layer %d, scale %.6g, sliding window %s, "
-            "soft-cap %s)",
+            "soft-cap %s, sinks %s, %s)",
             site.qualname,
             type(site.module).__name__,
             ATTN_ATTR,
             type(attn).__name__,
             index,
-            scale,
-            sliding_window,
-            soft_cap,
+            needs.scale,
+            needs.sliding_window,
+            needs.logits_soft_cap,
+            needs.sinks,
+            "causal" if needs.causal else "encoder-only",
         )
 
 
 def mla_attention(
-    site: AttentionSite, vllm_config: "VllmConfig", prefix: str, layer_name: str
+    site: AttentionSite, vllm_config: "VllmConfig", prefix: str
 ) -> MLAAttention:
     """vLLM's `MLAAttention` for a site whose latent attention was fused, built with
-    the model's MLA dimensions and the module's own `kv_b` projection.
-
-    vLLM allocates every layer's KV cache for the latent when the model uses MLA, so a
-    site that did not fuse is a construction error naming its layer and why."""
+    the model's MLA dimensions and the module's own `kv_b` projection."""
     model_config = vllm_config.model_config
-    if site.mla is None:
-        raise ValueError(
-            f"Decoder layer {site.layer_index}: {layer_name}. Its attention "
-            f"{site.qualname} ({type(site.module).__name__}) did not fuse as latent "
-            f"attention (MLA): {why_not_mla(site, vllm_config)}. The model's config "
-            "says it uses MLA, so vLLM caches a compressed latent for every layer, "
-            "which plain attention cannot use. Set VLLM_MLA_DISABLE=1 to serve every "
-            "layer with plain attention instead."
-        )
     dims = get_mla_dims(model_config)
-    default_scale = (dims.qk_nope_head_dim + dims.qk_rope_head_dim) ** -0.5
     return MLAAttention(
         num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
-        scale=site.fuser.scale(site.module, default=default_scale),
+        scale=site.needs.scale,
         qk_nope_head_dim=dims.qk_nope_head_dim,
         qk_rope_head_dim=dims.qk_rope_head_dim,
         v_head_dim=dims.v_head_dim,
         q_lora_rank=dims.q_lora_rank,
         kv_lora_rank=dims.kv_lora_rank,
-        kv_b_proj=getattr(site.module, site.mla.kv_b),
+        kv_b_proj=getattr(site.module, site.needs.latent),
         cache_config=vllm_config.cache_config,
         quant_config=vllm_config.quant_config,
-        prefix=f"{prefix}{site.qualname}.{ATTN_ATTR}",
+        prefix=prefix,
     )
-
-
-def why_not_mla(site: AttentionSite, vllm_config: "VllmConfig") -> str:
-    """Why `MLAFuser` did not apply to the site's module."""
-    matched = get_fuser(site.module, MLAFuser)
-    if matched is not None:
-        return matched.mismatch(site.module, vllm_config) or "it was not applied"
-    module_class = type(site.module).__name__
-    reasons = [
-        d.reason
-        for d in DECLINED
-        if d.fuser == "MLAFuser" and d.module_class == module_class
-    ]
-    return reasons[-1] if reasons else "its forward has no latent attention pattern"

@@ -34,6 +34,7 @@ from vllm.model_executor.models.transformers.attention import (
     attach_attention,
     attention_sites,
 )
+from vllm.model_executor.models.transformers.loading import BASE, CheckpointLayout
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -42,8 +43,6 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
 from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
-from vllm.model_executor.models.transformers.fusers import AttentionFuser, MLAFuser
-from vllm.model_executor.models.transformers.loading import CheckpointLayout
 from vllm.model_executor.models.transformers.parallel import (
     decoder_layers,
     drop_other_stages,
@@ -190,7 +189,6 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             self.report.fail(str(error))
             raise
         finally:
-            self.report.finish()
             logger.info(self.report.short())
 
         materialize(self, vllm_config.model_config.dtype)
@@ -210,6 +208,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         )
 
         layers_name, layers = decoder_layers(self.model, self.text_config)
+        self.layout.decoder_layers = (layers_name, len(layers))
         self.layer_range = stage_layer_range(self.text_config, self.pp_group)
         self.report.num_layers = len(self.layer_range)
         drop_other_stages(
@@ -220,59 +219,77 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
             self.tie_word_embeddings,
         )
 
-        self.packed_modules_mapping: dict[str, list[str]] = {}
+        # Stages 1 and 2: what each module class matches, what each instance takes.
+        self.plan = Fusers(self.model, vllm_config, prefix=BASE)
+        self.report.record_plan(self.plan)
+        # Known before any layer is built, so quantisation and LoRA read them in time.
+        self.packed_modules_mapping = self.plan.packed_modules_mapping
+        if self.quant_config is not None:
+            self.quant_config.packed_modules_mapping.update(self.packed_modules_mapping)
+            self.quant_config.apply_vllm_mapper(self.layout.mapper().get_rename_mapper())
+
         self.weight_copies: dict[str, str] = {}
         """Parameter name -> another parameter that loads the same checkpoint tensor."""
-        attention_modules = self.replace_modules(getattr(self.model, "_tp_plan", None))
+        sites = self.apply(getattr(self.model, "_tp_plan", None))
+        self.hf_to_vllm_mapper = self.layout.mapper()
         layer_names = {
-            i: describe_layer(f"model.{layers_name}.{i}", layers[i])
+            i: describe_layer(f"{BASE}.{layers_name}.{i}", layers[i])
             for i in self.layer_range
         }
-        self.attention: dict[int, AttentionSite] = attention_sites(attention_modules)
         attach_attention(
-            self.attention,
+            attention_sites(sites),
             self.layer_range,
             vllm_config,
             prefix,
             layer_names,
             self.report,
+            {site.qualname: self.plan.why_not(site.module) for site in sites},
         )
 
-    def replace_modules(
-        self, tp_plan: dict[str, str] | None
-    ) -> dict[str, tuple[nn.Module, AttentionFuser, MLAFuser | None]]:
-        """Apply every validated fuser, then swap the remaining HF linears and the vocab
-        embedding for vLLM's. Returns the modules that dispatch attention (with the
-        latent attention fused in them, if any)."""
-        fusers = Fusers(self.model, self.vllm_config)
+    def apply(self, tp_plan: dict[str, str] | None) -> list[AttentionSite]:
+        """Stage 3: apply each module's planned fusers through the fuser contract,
+        then swap the remaining HF linears and the vocab embedding for vLLM's.
+        Returns the modules that dispatch attention, with what each needs."""
         plan = tp_plan or {}
         vocab_size = self.text_config.vocab_size
-        attention: dict[str, tuple[nn.Module, AttentionFuser, MLAFuser | None]] = {}
+        sites: list[AttentionSite] = []
 
         def replace(module: nn.Module, relative: str) -> None:
             for name, child in list(module.named_children()):
                 rel = f"{relative}{name}"
-                qualname = f"model.{rel}"
-                applied = fusers[child]
+                qualname = f"{BASE}.{rel}"
+                fusers = self.plan[child]
                 self.report.record_module(
                     type(child).__name__,
                     matched=[type(f).__name__ for f in get_fusers(child)],
-                    applied=[type(f).__name__ for f in applied],
+                    applied=[type(f).__name__ for f in fusers],
+                )
+                # Read before fusing: the fusers may rename the module's children.
+                needs = next(
+                    (
+                        found
+                        for fuser in fusers
+                        if (found := fuser.attention_needs(child, self.vllm_config))
+                        is not None
+                    ),
+                    None,
                 )
                 new = child
-                for fuser in applied:
+                for fuser in fusers:
                     new = fuser.fuse(new, qualname, self.vllm_config)
-                    if isinstance(fuser, AttentionFuser):
-                        mla = next(
-                            (f for f in applied if isinstance(f, MLAFuser)), None
-                        )
-                        attention[qualname] = (new, fuser, mla)
-                        continue
                     logger.info(fuser.info(qualname, new))
                     self.report.record_fusion(fuser)
                     self.layout.add_stacked(fuser.stacked_weights(qualname))
-                    for merged, originals in fuser.packed_modules_mapping.items():
-                        self.packed_modules_mapping.setdefault(merged, list(originals))
+                if needs is not None:
+                    for fuser in fusers:
+                        needs = fuser.adjust_attention(needs, new, self.vllm_config)
+                    packed = {
+                        original: merged
+                        for fuser in fusers
+                        for merged, originals in fuser.packed_modules_mapping.items()
+                        for original in originals
+                    }
+                    sites.append(AttentionSite(qualname, new, needs, packed))
                 if type(new) is nn.Linear:
                     style = tp_style(rel, plan)
                     new = replace_linear_class(
@@ -304,7 +321,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
                     setattr(module, name, new)
 
         replace(self.model, "")
-        return attention
+        return sites
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)

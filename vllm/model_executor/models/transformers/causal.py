@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 
 class CausalMixin(VllmModelForTextGeneration, Base):
-    """Adds the LM head (tied to the input embedding when the config says so) and
-    the logits processor with the config's logit scale and final soft-cap."""
+    """Adds the LM head (tied to the input embedding when the config says so, with a
+    bias when the HF head has one) and the logits processor with the config's logit
+    scale and final soft-cap."""
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
         Base.__init__(self, vllm_config=vllm_config, prefix=prefix)
@@ -32,6 +33,7 @@ class CausalMixin(VllmModelForTextGeneration, Base):
         self.lm_head = ParallelLMHead(
             text_config.vocab_size,
             text_config.hidden_size,
+            bias=self.layout.lm_head_bias,
             quant_config=self.quant_config,
             prefix=maybe_prefix(prefix, "lm_head"),
         )
@@ -51,4 +53,5 @@ class CausalMixin(VllmModelForTextGeneration, Base):
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        # An LM head with a bias (Phi) adds it to the logits.
+        return self.logits_processor(self.lm_head, hidden_states, self.lm_head.bias)

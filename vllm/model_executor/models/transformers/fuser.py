@@ -1,13 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fuser registry: which fusers apply to which modules.
+"""The fuser registry: which fusers apply to which modules, in two of the build's
+three stages (DESIGN §4).
 
-Fusers are found once per `key(module)` (the class and the names of its direct
-children), so the cost grows with the number of distinct module classes in a model,
-not with its depth.
+1. Class analysis (`analyse`, cached by `key(module)`: the class and the names of its
+   direct children, so the cost grows with the number of distinct module classes,
+   not with depth). Pure: what it found and what it declined, with the reasons, live
+   in the cache entry. Any exception while matching or rewriting a class declines
+   that fuser, with the reason; it never escapes.
+2. Instance plan (`Fusers`): each instance takes a fuser only if `mismatch` finds
+   nothing in the instance that differs from what the class analysis saw; every
+   instance decline is logged and kept with the module's name.
+
+The third stage, applying the plan, is the backend's (`base.py`).
 """
 
+import threading
+import traceback
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from cachetools import cached
@@ -18,8 +29,8 @@ from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
+    Declined,
     FusionDeclined,
-    RewriteFuser,
 )
 
 if TYPE_CHECKING:
@@ -39,6 +50,26 @@ def key(module: nn.Module) -> Key:
     return type(module), tuple(name for name, _ in module.named_children())
 
 
+@dataclass(frozen=True)
+class ClassAnalysis:
+    """What the class analysis found for one key: the fusers that apply (at most one
+    redefining the forward, first) and the fusions it declined, with why."""
+
+    fusers: tuple[BaseFuser, ...]
+    declined: tuple[Declined, ...]
+
+
+def _failure(fuser_cls: type[BaseFuser], module: nn.Module, error: Exception) -> Declined:
+    """A fuser that raised, declined with the error and where it was raised."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return Declined(
+        fuser=fuser_cls.__name__,
+        module_class=type(module).__name__,
+        reason=f"analysis failed: {type(error).__name__}: {error}",
+        location=f"{frame.filename}:{frame.lineno}",
+    )
+
+
 def _trace_if_needed(module: nn.Module) -> fx.Graph | None:
     """Trace `module` only if a fuser that reads graphs could match it."""
     if not any(f.needs_graph and f.could_match(module) for f in FUSERS):
@@ -46,41 +77,64 @@ def _trace_if_needed(module: nn.Module) -> fx.Graph | None:
     return tracing.trace(module).graph
 
 
-@cached(cache={}, key=key)
-def get_fusers(module: nn.Module) -> tuple[BaseFuser, ...]:
-    """Every fuser that applies to `module`'s class.
-
-    At most one redefines the forward, and it comes first; any number that leave the
-    forward alone follow. A rewrite that cannot be applied is dropped with its reason
-    logged."""
-    graph = _trace_if_needed(module)
-    rewrite: RewriteFuser | None = None
-    others: list[BaseFuser] = []
-    for fuser_cls in FUSERS:
+def _match(
+    fuser_cls: type[BaseFuser], graph: fx.Graph | None, module: nn.Module
+) -> BaseFuser | Declined | None:
+    """`fuser_cls` matched on `module`, its forward rewritten if it redefines it."""
+    try:
         if not fuser_cls.could_match(module):
-            continue
+            return None
+        found = fuser_cls.match(graph, module)
+        if isinstance(found, BaseFuser) and found.redefines_forward:
+            found.update_forward(module)
+        return found
+    except FusionDeclined as reason:
+        return fuser_cls.decline(module, f"forward not rewritten: {reason}")
+    except Exception as error:  # noqa: BLE001 - fail closed: the model stays unfused
+        return _failure(fuser_cls, module, error)
+
+
+@cached(cache={}, key=key, lock=threading.RLock())
+def analyse(module: nn.Module) -> ClassAnalysis:
+    """Stage 1 for `module`'s key: every fuser that applies, and every decline."""
+    try:
+        graph = _trace_if_needed(module)
+    except Exception as error:  # noqa: BLE001 - tracing already stops where it fails
+        logger.info("Not tracing %s: %s", type(module).__name__, error)
+        graph = None
+    rewrite: BaseFuser | None = None
+    others: list[BaseFuser] = []
+    declined: list[Declined] = []
+    for fuser_cls in FUSERS:
         if fuser_cls.redefines_forward and rewrite is not None:
             continue
-        fuser = fuser_cls.match(graph, module)
-        if fuser is None:
-            continue
-        if isinstance(fuser, RewriteFuser):
-            try:
-                fuser.update_forward(module)
-            except FusionDeclined as reason:
-                fuser_cls.decline(module, f"forward not rewritten: {reason}")
-                continue
-            rewrite = fuser
-        else:
-            others.append(fuser)
-    if rewrite is None and not others and type(module).__name__.endswith("RMSNorm"):
-        # Cached per key, so this warns once per class.
+        found = _match(fuser_cls, graph, module)
+        if isinstance(found, Declined):
+            logger.info(
+                "Declined %s for %s: %s (%s)",
+                found.fuser,
+                found.module_class,
+                found.reason,
+                found.location,
+            )
+            declined.append(found)
+        elif found is not None and found.redefines_forward:
+            rewrite = found
+        elif found is not None:
+            others.append(found)
+    fusers = (rewrite, *others) if rewrite is not None else tuple(others)
+    if not fusers and type(module).__name__.endswith("RMSNorm"):
         logger.warning(
             "%s is named like an RMSNorm but computes something else, so it keeps "
             "Transformers' implementation; see the declined fusions above for why.",
             type(module).__name__,
         )
-    return (rewrite, *others) if rewrite is not None else tuple(others)
+    return ClassAnalysis(fusers, tuple(declined))
+
+
+def get_fusers(module: nn.Module) -> tuple[BaseFuser, ...]:
+    """Every fuser that applies to `module`'s class (stage 1)."""
+    return analyse(module).fusers
 
 
 def get_fuser(module: nn.Module, cls: type[F]) -> F | None:
@@ -88,19 +142,68 @@ def get_fuser(module: nn.Module, cls: type[F]) -> F | None:
     return next((f for f in get_fusers(module) if isinstance(f, cls)), None)
 
 
-class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
-    """The validated fusers of every module in `model`, in the order to apply them."""
+def clear_cache() -> None:
+    """Forget every class analysis (tests that reuse a class with other shapes)."""
+    analyse.cache_clear()
 
-    def __init__(self, model: nn.Module, vllm_config: "VllmConfig"):
+
+@dataclass(frozen=True)
+class InstanceDecline:
+    """A fuser the class analysis found that one instance does not take, and why."""
+
+    module: str
+    module_class: str
+    fuser: str
+    reason: str
+
+
+def _mismatch(
+    fuser: BaseFuser, module: nn.Module, vllm_config: "VllmConfig"
+) -> str | None:
+    try:
+        return fuser.mismatch(module, vllm_config)
+    except Exception as error:  # noqa: BLE001 - fail closed: this instance stays unfused
+        return f"checking this instance failed: {type(error).__name__}: {error}"
+
+
+class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
+    """Stage 2: the fusers each module of `model` takes, in the order to apply them,
+    and the class analyses and instance declines behind that plan."""
+
+    def __init__(self, model: nn.Module, vllm_config: "VllmConfig", prefix: str = ""):
         self._fusers: dict[nn.Module, tuple[BaseFuser, ...]] = {}
-        for module in model.modules():
-            found = tuple(
-                fuser
-                for fuser in get_fusers(module)
-                if fuser.validate(module, vllm_config)
-            )
-            if found:
-                self._fusers[module] = found
+        self.analyses: dict[str, ClassAnalysis] = {}
+        """Module class name -> its class analysis, for the classes in `model`."""
+        self.declined: list[InstanceDecline] = []
+        self._why_not: dict[nn.Module, list[str]] = {}
+        for name, module in model.named_modules(prefix=prefix):
+            analysis = analyse(module)
+            self._why_not[module] = [
+                f"{d.fuser}: {d.reason} ({d.location})" for d in analysis.declined
+            ]
+            if analysis.fusers or analysis.declined:
+                self.analyses.setdefault(type(module).__name__, analysis)
+            taken = []
+            for fuser in analysis.fusers:
+                reason = _mismatch(fuser, module, vllm_config)
+                if reason is None:
+                    taken.append(fuser)
+                    continue
+                self.declined.append(
+                    InstanceDecline(
+                        name, type(module).__name__, type(fuser).__name__, reason
+                    )
+                )
+                self._why_not[module].append(f"{type(fuser).__name__}: {reason}")
+                logger.info(
+                    "Not fused: %s in %s (%s): %s",
+                    type(fuser).__name__,
+                    name,
+                    type(module).__name__,
+                    reason,
+                )
+            if taken:
+                self._fusers[module] = tuple(taken)
 
     def __getitem__(self, module: nn.Module) -> tuple[BaseFuser, ...]:
         return self._fusers.get(module, ())
@@ -110,3 +213,18 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
 
     def __len__(self) -> int:
         return len(self._fusers)
+
+    def why_not(self, module: nn.Module) -> str:
+        """Every fusion declined for `module`, its class's and its own, with why."""
+        return "; ".join(self._why_not.get(module, [])) or "nothing matched"
+
+    @property
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        """Every merged name the plan creates -> the original names it packs: known
+        before any layer is built, so quantisation and LoRA read it in time."""
+        mapping: dict[str, list[str]] = {}
+        for fusers in self._fusers.values():
+            for fuser in fusers:
+                for merged, originals in fuser.packed_modules_mapping.items():
+                    mapping.setdefault(merged, list(originals))
+        return mapping

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-from vllm.model_executor.models.transformers.fusers.base import (
-    DECLINED,
-    BaseFuser,
-    Declined,
-)
-from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
+from typing import TYPE_CHECKING
+
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.transformers.fuser import Fusers
 
 _ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(
     "fusion_report", default=None
@@ -66,29 +66,42 @@ class FusionReport:
     linears: list[LinearReport] = field(default_factory=list)
     fused_projections: int = 0
     """Original linears now computed inside a QKV or merged linear."""
-    norms_fused: int = 0
+    fusions: dict[str, int] = field(default_factory=dict)
+    """Fuser kind (`qkv`, `glu`, `rms_norm`...) -> instances it was applied to."""
     servable: bool = True
     reason: str | None = None
 
     def record_module(
         self, module_class: str, matched: list[str], applied: list[str]
     ) -> None:
-        report = self.classes.setdefault(module_class, ClassReport(matched=matched))
+        report = self.classes.setdefault(module_class, ClassReport())
+        report.matched = report.matched or matched
         report.instances += 1
         for fuser in applied:
             report.applied[fuser] = report.applied.get(fuser, 0) + 1
 
     def record_fusion(self, fuser: BaseFuser) -> None:
-        if isinstance(fuser, RMSNormFuser):
-            self.norms_fused += 1
+        self.fusions[fuser.kind] = self.fusions.get(fuser.kind, 0) + 1
         self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
-    def finish(self) -> None:
-        """Attach the fusions declined for the classes this model has."""
-        for declined in DECLINED:
-            report = self.classes.get(declined.module_class)
-            if report is not None and declined not in report.declined:
-                report.declined.append(declined)
+    def record_plan(self, plan: "Fusers") -> None:
+        """Keep what the plan declined: per class, and per instance (located by the
+        module's name)."""
+        for module_class, analysis in plan.analyses.items():
+            report = self.classes.setdefault(module_class, ClassReport())
+            report.declined.extend(analysis.declined)
+        for declined in plan.declined:
+            report = self.classes.setdefault(declined.module_class, ClassReport())
+            report.declined.append(
+                Declined(
+                    declined.fuser, declined.module_class, declined.reason, declined.module
+                )
+            )
+
+    @property
+    def norms_fused(self) -> int:
+        return self.fusions.get("rms_norm", 0)
+
 
     def fail(self, reason: str) -> None:
         self.servable, self.reason = False, reason

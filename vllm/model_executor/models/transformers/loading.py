@@ -12,8 +12,15 @@ from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
+from vllm.logger import init_logger
 from vllm.model_executor.models.transformers.fusers.base import ShardId
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    WeightsMapper,
+)
+
+logger = init_logger(__name__)
 
 BASE = "model"
 """The backend keeps the HF base model as `self.model`."""
@@ -34,9 +41,13 @@ class CheckpointLayout:
     base_prefix: str
     base_children: tuple[str, ...]
     lm_head_name: str | None
+    lm_head_bias: bool
     renamings: list[WeightRenaming]
     ignored: list[str]
     stacked: dict[str, tuple[str, ShardId]] = field(default_factory=dict)
+    decoder_layers: tuple[str, int] | None = None
+    """The decoder stack's name under the base model and how many layers it has:
+    checkpoint layers past them are multi-token-prediction layers."""
 
     @classmethod
     def of(cls, hf_model: PreTrainedModel) -> "CheckpointLayout":
@@ -50,6 +61,7 @@ class CheckpointLayout:
                 name for name, _ in hf_model.base_model.named_children()
             ),
             lm_head_name=lm_head_name,
+            lm_head_bias=getattr(output, "bias", None) is not None,
             renamings=[
                 t
                 for t in get_model_conversion_mapping(hf_model)
@@ -63,8 +75,8 @@ class CheckpointLayout:
         self.stacked.update(stacked)
 
     def mapper(self) -> WeightsMapper:
-        regex: dict[re.Pattern, str | None] = {_RECOMPUTED_BUFFERS: None}
-        regex.update({re.compile(pattern): None for pattern in self.ignored})
+        """Checkpoint names -> the backend's parameter names (`hf_to_vllm_mapper`)."""
+        regex: dict[re.Pattern, str | None] = {}
         if self.base_prefix and self.base_prefix != BASE:
             regex[re.compile(rf"^{re.escape(self.base_prefix)}\.")] = f"{BASE}."
         if self.base_children:
@@ -78,6 +90,24 @@ class CheckpointLayout:
             orig_to_new_stacked=self.stacked,
         )
 
+    def unneeded(self, name: str) -> str | None:
+        """Why the checkpoint tensor `name` (before mapping) is not loaded, `None`
+        when it must be."""
+        if _RECOMPUTED_BUFFERS.search(name):
+            return "buffers Transformers recomputes"
+        if any(re.search(pattern, name) for pattern in self.ignored):
+            return "tensors the model ignores (`_keys_to_ignore_on_load_unexpected`)"
+        return None
+
+    def _past_last_layer(self, name: str) -> bool:
+        """Whether the mapped `name` is in a decoder layer the model does not have
+        (multi-token-prediction layers follow the last one in some checkpoints)."""
+        if self.decoder_layers is None:
+            return False
+        stack, count = self.decoder_layers
+        found = re.match(rf"{BASE}\.{re.escape(stack)}\.(\d+)\.", name)
+        return found is not None and int(found.group(1)) >= count
+
     def load(
         self,
         model: nn.Module,
@@ -85,15 +115,49 @@ class CheckpointLayout:
         copies: dict[str, str] | None = None,
     ) -> set[str]:
         """Load `weights` into `model`; a tensor whose (mapped) name is a key of
-        `copies` is also loaded into the parameter named by its value."""
-        copies = copies or {}
+        `copies` is also loaded into the parameter named by its value.
 
-        def with_copies(mapped: Iterable[tuple[str, torch.Tensor]]):
+        Strict: a checkpoint tensor that nothing in `model` consumes is an error
+        naming it, unless `unneeded` says why it is not needed (logged once per
+        reason). vLLM's loader then fails on any parameter left unfilled."""
+        copies = copies or {}
+        loadable = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        elsewhere = tuple(
+            f"{name}."
+            for name, module in model.named_modules()
+            if isinstance(module, PPMissingLayer)
+        )
+        skipped: set[str] = set()
+
+        def skip(reason: str, name: str) -> None:
+            if reason not in skipped:
+                skipped.add(reason)
+                logger.info("Not loading %s (such as %s)", reason, name)
+
+        def needed(raw: Iterable[tuple[str, torch.Tensor]]):
+            for name, tensor in raw:
+                if (reason := self.unneeded(name)) is not None:
+                    skip(reason, name)
+                    continue
+                yield name, tensor
+
+        def checked(mapped: Iterable[tuple[str, torch.Tensor]]):
             for name, tensor in mapped:
+                if name not in loadable and not name.startswith(elsewhere):
+                    if self._past_last_layer(name):
+                        skip("multi-token-prediction layers past the last one", name)
+                        continue
+                    raise ValueError(
+                        f"Checkpoint tensor {name!r} (as this backend names it) is "
+                        f"consumed by no parameter of {type(model).__name__}: the "
+                        "model built from the config has no such weight, so loading "
+                        "would silently drop it and compute something else than the "
+                        "checkpoint."
+                    )
                 yield name, tensor
                 if name in copies:
                     yield copies[name], tensor
 
         return AutoWeightsLoader(model).load_weights(
-            with_copies(self.mapper().apply(weights))
+            checked(self.mapper().apply(needed(weights)))
         )

@@ -240,15 +240,15 @@ def render(report: FusionReport, style: Style) -> str:
 
 def coverage_row(report: FusionReport) -> dict[str, object]:
     """What `--all` tabulates for one model type."""
-    applied = {f for cls in report.classes.values() for f in cls.applied}
+    kinds = set(report.fusions)
     layers = report.num_layers
     return {
         "model_type": report.model,
         "built": layers > 0,
         "attention": layers > 0 and len(report.attention) == layers,
-        "qkv": bool(applied & {"QKVFuser", "PackedQKVFuser", "MLAFuser"}),
-        "glu": "GLUFuser" in applied,
-        "rms_norm": "RMSNormFuser" in applied,
+        "qkv": bool(kinds & {"qkv", "packed_qkv", "mla"}),
+        "glu": "glu" in kinds,
+        "rms_norm": "rms_norm" in kinds,
         "servable": report.servable,
         "reason": report.reason,
     }

@@ -42,6 +42,24 @@ class ForwardSource:
         """`file:line` of `node` in the original file."""
         return f"{self.filename}:{self.first_line + getattr(node, 'lineno', 1) - 1}"
 
+    def expression_at(
+        self, span: Span | None, tree: ast.AST | None = None
+    ) -> ast.expr | None:
+        """The expression at `span` (a graph node's) in `tree` (a copy of this
+        forward's, default: its own), if any."""
+        if span is None:
+            return None
+        return next(
+            (
+                n
+                for n in ast.walk(tree or self.tree)
+                if isinstance(n, ast.expr)
+                and hasattr(n, "end_lineno")
+                and self.span(n) == span
+            ),
+            None,
+        )
+
     def span(self, node: ast.AST) -> Span:
         """Where `node` sits in its file, comparable with a graph node's span."""
         offset = self.first_line - 1
@@ -82,6 +100,41 @@ def _stored_names(tree: ast.AST) -> Iterator[ast.Name]:
         for n in ast.walk(tree)
         if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
     )
+
+
+def _writes_in_place(tree: ast.AST) -> bool:
+    """Whether `tree` may modify a tensor in place: an in-place method (`x.mul_(2)`),
+    `out=` or `inplace=True`, an augmented assignment (`x += y`), or an assignment
+    to a subscript or attribute of a value (`x[0] = y`)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            function = node.func
+            if (
+                isinstance(function, ast.Attribute)
+                and function.attr.endswith("_")
+                and not function.attr.startswith("_")
+            ):
+                return True
+            for keyword in node.keywords:
+                if keyword.arg == "out" or (
+                    keyword.arg == "inplace"
+                    and not (
+                        isinstance(keyword.value, ast.Constant)
+                        and keyword.value.value is False
+                    )
+                ):
+                    return True
+        elif isinstance(node, ast.AugAssign):
+            return True
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(
+                isinstance(t, ast.Subscript | ast.Attribute)
+                for target in targets
+                for t in ast.walk(target)
+            ):
+                return True
+    return False
 
 
 def is_self_attribute(node: ast.AST, name: str | None = None) -> bool:
@@ -134,18 +187,7 @@ class ForwardRewrite:
 
     def expression_at(self, span: Span | None) -> ast.expr | None:
         """The expression of this forward at `span` (a graph node's), if any."""
-        if span is None:
-            return None
-        return next(
-            (
-                n
-                for n in ast.walk(self.tree)
-                if isinstance(n, ast.expr)
-                and hasattr(n, "end_lineno")
-                and self.source.span(n) == span
-            ),
-            None,
-        )
+        return self.source.expression_at(span, self.tree)
 
     def self_call(self, span: Span | None, name: str) -> ast.Call:
         """The call `self.<name>(x)` at `span`, with one positional argument."""
@@ -247,9 +289,9 @@ class ForwardRewrite:
         raise AssertionError("nodes of one function share its body")
 
     def holds_one_value(self, name: str, nodes: list[ast.AST]) -> bool:
-        """Whether the local `name` is bound before the statements holding `nodes`
-        and not rebound among them, so an expression reading it means the same there
-        as at each of `nodes`."""
+        """Whether the local `name` is bound before the statements holding `nodes`,
+        not rebound among them and nothing is written in place there, so an
+        expression reading it means the same there as at each of `nodes`."""
         block, first, last = self.region(nodes)
         # The last statement may assign the name: its value is computed first.
         end = block[last]
@@ -264,6 +306,9 @@ class ForwardRewrite:
             if tree is not None
             for n in _stored_names(tree)
         ):
+            return False
+        # A write through any name may be a write to this value (an alias).
+        if any(_writes_in_place(statement) for statement in block[first : last + 1]):
             return False
         arguments = {a.arg for a in ast.walk(self.tree.args) if isinstance(a, ast.arg)}
         if name in arguments:
@@ -311,7 +356,15 @@ class ForwardRewrite:
         del block[index]
 
     def compile(self) -> Callable:
-        """The rewritten forward, as a plain function (decorators applied again)."""
+        """The rewritten forward, as a plain function (decorators applied again).
+
+        Without its signature's annotations: compiled outside its module's
+        `from __future__ import annotations`, they would be evaluated, and may name
+        what the module imports only for type checkers."""
+        for argument in ast.walk(self.tree.args):
+            if isinstance(argument, ast.arg):
+                argument.annotation = None
+        self.tree.returns = None
         module = ast.Module(body=[self.tree], type_ignores=[])
         ast.fix_missing_locations(module)
         ast.increment_lineno(module, self.source.first_line - 1)

@@ -3,13 +3,31 @@
 """The module that calls the Transformers attention interface."""
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
+import torch
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers.rewriting import forward_source
-from vllm.model_executor.models.transformers.fusers.base import BaseFuser
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import (
+    AttentionNeeds,
+    BaseFuser,
+    Declined,
+)
+from vllm.model_executor.models.transformers.fusers.heads import (
+    HEAD_SIZE_ATTRIBUTES,
+    NUM_HEADS_ATTRIBUTES,
+    NUM_KV_HEADS_ATTRIBUTES,
+    V_HEAD_SIZE_ATTRIBUTES,
+    attribute_holding,
+    heads_at,
+    resolve,
+)
+from vllm.model_executor.models.transformers.rewriting import (
+    forward_source,
+    is_self_attribute,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -17,6 +35,22 @@ if TYPE_CHECKING:
 INTERFACE_REGISTRY = "ALL_ATTENTION_FUNCTIONS"
 VLLM_ATTENTION_FUNCTIONS = ("vllm", "vllm_mla")
 """The `_attn_implementation`s that dispatch into vLLM (registered in `__init__`)."""
+
+HONOURED = {
+    "scaling": "the softmax scale",
+    "sliding_window": "a sliding window of this layer",
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks (one logit per head)",
+    "is_causal": "causal (True) or encoder-only, bidirectional (False) attention",
+    "dropout": "dropout, which inference never applies",
+    "attention_mask": "the mask, which vLLM's attention metadata replaces",
+    "position_ids": "positions, which vLLM's attention metadata replaces",
+    "output_attentions": "attention weights, which vLLM never returns (None)",
+}
+"""Keyword arguments of the attention call vLLM's `Attention` honours, and how."""
+
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+"""`config.layer_types` entries for a layer with attention -> whether it slides."""
 
 
 def _binds_interface(value: ast.expr) -> bool:
@@ -54,29 +88,89 @@ def _interface_locals(forward: ast.FunctionDef) -> set[str]:
     return names
 
 
+_UNRESOLVED = object()
+
+
+def _resolve_argument(expression: ast.expr, module: nn.Module) -> object:
+    """The value of an argument of the attention call on `module`: a literal,
+    `self.<attr>[.<attr>...]`, or `getattr(self..., "name", default)`;
+    `_UNRESOLVED` for anything else."""
+    if isinstance(expression, ast.Constant):
+        return expression.value
+    if isinstance(expression, ast.UnaryOp) and isinstance(expression.op, ast.USub):
+        value = _resolve_argument(expression.operand, module)
+        return -value if isinstance(value, int | float) else _UNRESOLVED
+    if isinstance(expression, ast.Call) and (
+        isinstance(expression.func, ast.Name)
+        and expression.func.id == "getattr"
+        and len(expression.args) in (2, 3)
+        and isinstance(expression.args[1], ast.Constant)
+    ):
+        owner = _resolve_argument(expression.args[0], module)
+        if owner is _UNRESOLVED:
+            return _UNRESOLVED
+        default = (
+            _resolve_argument(expression.args[2], module)
+            if len(expression.args) == 3
+            else _UNRESOLVED
+        )
+        return getattr(owner, expression.args[1].value, default)
+    path = []
+    while isinstance(expression, ast.Attribute):
+        path.append(expression.attr)
+        expression = expression.value
+    if not (isinstance(expression, ast.Name) and expression.id == "self"):
+        return _UNRESOLVED
+    value: object = module
+    for name in reversed(path):
+        if not hasattr(value, name):
+            return _UNRESOLVED
+        value = getattr(value, name)
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass
 class AttentionFuser(BaseFuser):
     """`interface = ALL_ATTENTION_FUNCTIONS.get_interface(...); interface(self, q, k, v, ...)`
     -> the module gets vLLM's `Attention` as `attn`, reached by `vllm_attention_forward`.
 
-    Read from the forward's source, not its fx trace: tracing may stop before the
-    dispatch. The forward is left alone, so this fuser stands beside a QKV fuser."""
+    The call is read from the forward's **source** (tracing may stop before the
+    dispatch); where tracing reaches it, the dataflow also says which child computes
+    the query, key and value and which one projects the output, and which attributes
+    hold the heads, so each instance's heads are its own. The forward is left alone,
+    so this fuser stands beside a QKV fuser."""
 
-    needs_graph = False
+    kind = "attention"
 
     interface_call: str = ""
     """The source of the one call into the interface."""
-    scaling: ast.expr | None = None
-    """The `scaling=` argument of that call, `None` when it passes none."""
+    arguments: dict[str, ast.expr] = field(default_factory=dict)
+    """Every keyword argument of that call (`**kwargs` passed on is not one)."""
+    positional: int = 0
+    """How many positional arguments the call passes (`module, q, k, v, mask`)."""
     location: str = ""
     """`file:line` of that call."""
+    sources: dict[str, str | None] = field(default_factory=dict)
+    """Role (`q`, `k`, `v`, `o`) -> the direct child computing it, from dataflow."""
+    attributes: dict[str, str | None] = field(default_factory=dict)
+    """`head_size`, `head_size_v`, `num_heads`, `num_kv_heads` -> the attribute that
+    holds it on the traced instance, if any."""
+    traced: dict[str, int] = field(default_factory=dict)
+    """The same four values as seen at the call on the traced instance."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
-        return forward_source(type(module)) is not None
+        source = forward_source(type(module))
+        return source is not None and bool(_interface_locals(source.tree))
 
     @classmethod
-    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
+    def match(
+        cls, graph: fx.Graph | None, module: nn.Module
+    ) -> Self | Declined | None:
         source = forward_source(type(module))
         if source is None:
             return None
@@ -97,23 +191,67 @@ class AttentionFuser(BaseFuser):
                 f"it {len(calls)} times; exactly one call is one attention layer",
             )
         (call,) = calls
-        scaling = next((kw.value for kw in call.keywords if kw.arg == "scaling"), None)
-        return cls(
+        fuser = cls(
             interface_call=ast.unparse(call.func),
-            scaling=scaling,
+            arguments={kw.arg: kw.value for kw in call.keywords if kw.arg is not None},
+            positional=len(call.args),
             location=source.location(call),
         )
+        if graph is not None:
+            fuser._read_dataflow(graph, module)
+        return fuser
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+    def _read_dataflow(self, graph: fx.Graph, module: nn.Module) -> None:
+        """Fill `sources`, `attributes` and `traced` from the traced call, if reached."""
+        attention = fx_utils.attention_node(graph)
+        if attention is None:
+            return
+        roles = dict(zip("qkv", attention.args[:3]))
+        for role, node in roles.items():
+            linear = fx_utils.linear_feeding(node, module)
+            self.sources[role] = None if linear is None else linear.target
+        output = fx_utils.linear_fed_by(attention, module)
+        self.sources["o"] = None if output is None else output.target
+        query, key, value = (heads_at(roles[r]) for r in "qkv")
+        if query is None or key is None or value is None:
+            return
+        self.traced = {
+            "head_size": query.shape[-1],
+            "head_size_v": value.shape[-1],
+            "num_heads": query.shape[1],
+            "num_kv_heads": key.shape[1],
+        }
+        candidates = {
+            "head_size": HEAD_SIZE_ATTRIBUTES,
+            "head_size_v": V_HEAD_SIZE_ATTRIBUTES,
+            "num_heads": NUM_HEADS_ATTRIBUTES,
+            "num_kv_heads": NUM_KV_HEADS_ATTRIBUTES,
+        }
+        self.attributes = {
+            name: attribute_holding(module, paths, self.traced[name])
+            for name, paths in candidates.items()
+        }
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         # Only modules whose config was patched to dispatch into vLLM: this is what
         # leaves a vision tower, on its own config, to Transformers.
         config = getattr(module, "config", None)
-        return getattr(config, "_attn_implementation", None) in VLLM_ATTENTION_FUNCTIONS
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in VLLM_ATTENTION_FUNCTIONS:
+            return f"its config dispatches attention to {implementation!r}, not vLLM"
+        return None
+
+    # Per instance -------------------------------------------------------------
+
+    def describe(self, module: nn.Module) -> str:
+        """`Class (layer N, file:line)`, for errors about this call."""
+        layer = getattr(module, "layer_idx", "?")
+        return f"{type(module).__name__} (layer {layer}, {self.location})"
 
     def layer_index(self, module: nn.Module) -> int:
         """The index the module declares, which is the one its KV cache is keyed by."""
         layer_idx = getattr(module, "layer_idx", None)
-        if not isinstance(layer_idx, int):
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
             raise ValueError(
                 f"{type(module).__name__} calls the attention interface "
                 f"({self.location}) but declares no integer `layer_idx` "
@@ -121,36 +259,216 @@ class AttentionFuser(BaseFuser):
             )
         return layer_idx
 
-    def scale(self, module: nn.Module, default: float) -> float:
+    def _value(
+        self,
+        module: nn.Module,
+        name: str,
+        fallbacks: tuple[str, ...],
+        default: int | None = None,
+    ) -> int:
+        """This instance's `name` (a head size or count): the attribute that held it
+        on the traced instance, else the value traced, else the first of
+        `fallbacks` that holds a positive integer, else `default`."""
+        if (attribute := self.attributes.get(name)) is not None:
+            value = resolve(module, attribute)
+        elif name in self.traced:
+            value = self.traced[name]
+        else:
+            value = next(
+                (
+                    v
+                    for path in fallbacks
+                    if type(v := resolve(module, path)) is int and v > 0
+                ),
+                default,
+            )
+        if type(value) is not int or value <= 0:
+            raise ValueError(
+                f"{self.describe(module)}: cannot tell its {name.replace('_', ' ')} "
+                f"(found {value!r}), so vLLM's attention cannot be built for it."
+            )
+        return value
+
+    def head_size(self, module: nn.Module) -> int:
+        """This instance's query/key head size."""
+        config = getattr(module, "config", None)
+        hidden = getattr(config, "hidden_size", None)
+        heads = getattr(config, "num_attention_heads", None)
+        default = hidden // heads if _is_number(hidden) and _is_number(heads) else None
+        return self._value(module, "head_size", HEAD_SIZE_ATTRIBUTES, default)
+
+    def scale(self, module: nn.Module) -> float:
         """The softmax scale the module passes as `scaling=`, resolved on `module`.
 
         The argument wins over any attribute: OPT scales the query itself and passes
-        `scaling=1.0`. With no `scaling=`, the interface's default is `default`."""
-        if self.scaling is None:
-            return default
-        expression = ast.unparse(self.scaling)
-        if isinstance(self.scaling, ast.Constant):
-            value = self.scaling.value
-        elif (
-            isinstance(self.scaling, ast.Attribute)
-            and isinstance(self.scaling.value, ast.Name)
-            and self.scaling.value.id == "self"
-        ):
-            value = getattr(module, self.scaling.attr, None)
-        else:
+        `scaling=1.0`. With no `scaling=` (or `scaling=None`), the interface's
+        default: the module's own head size `** -0.5`."""
+        expression = self.arguments.get("scaling")
+        if expression is None:
+            return self.head_size(module) ** -0.5
+        value = _resolve_argument(expression, module)
+        if value is None:
+            return self.head_size(module) ** -0.5
+        if value is _UNRESOLVED:
             raise ValueError(
-                f"{type(module).__name__} passes scaling={expression} to the attention "
-                f"interface ({self.location}), which the Transformers modeling backend "
+                f"{self.describe(module)} passes scaling={ast.unparse(expression)} to "
+                "the attention interface, which the Transformers modeling backend "
                 "cannot resolve: it needs a number or `self.<attribute>`. Store the "
                 "scale in an attribute and pass that."
             )
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        if not _is_number(value):
             raise ValueError(
-                f"{type(module).__name__} passes scaling={expression} to the attention "
-                f"interface ({self.location}), which is {value!r} on this module, not a "
+                f"{self.describe(module)} passes scaling={ast.unparse(expression)} to "
+                f"the attention interface, which is {value!r} on this module, not a "
                 "number, so vLLM's attention cannot be built with it."
             )
         return float(value)
+
+    def _argument(self, module: nn.Module, name: str) -> object:
+        """The resolved keyword argument `name`; a construction error naming the
+        module, its layer and the argument when it cannot be resolved."""
+        expression = self.arguments[name]
+        value = _resolve_argument(expression, module)
+        if value is _UNRESOLVED:
+            raise ValueError(
+                f"{self.describe(module)} passes {name}={ast.unparse(expression)} to "
+                f"the attention interface ({HONOURED[name]}), which the Transformers "
+                "modeling backend cannot resolve on the module before it runs, so it "
+                "cannot build vLLM's attention to honour it."
+            )
+        return value
+
+    def _check_arguments(self, module: nn.Module) -> None:
+        if self.positional > 5:
+            raise ValueError(
+                f"{self.describe(module)} passes {self.positional} positional "
+                "arguments to the attention interface; vLLM's attention takes "
+                "(module, query, key, value, attention_mask) and keywords it honours "
+                f"({', '.join(HONOURED)})."
+            )
+        for name in self.arguments:
+            if name not in HONOURED:
+                raise ValueError(
+                    f"{self.describe(module)} passes {name}= to the attention "
+                    "interface, which vLLM's attention cannot honour (it honours "
+                    f"{', '.join(HONOURED)}), so the Transformers modeling backend "
+                    "cannot serve this layer."
+                )
+        if "output_attentions" in self.arguments:
+            wants = _resolve_argument(self.arguments["output_attentions"], module)
+            if wants is not _UNRESOLVED and wants:
+                raise ValueError(
+                    f"{self.describe(module)} asks the attention interface for its "
+                    "weights (output_attentions=True), which vLLM never computes."
+                )
+
+    def sliding_window(self, module: nn.Module) -> int | None:
+        """The window this layer slides over, `None` for full attention: the call's
+        `sliding_window=` where it resolves, else what `config.layer_types` says."""
+        if "sliding_window" in self.arguments:
+            expression = self.arguments["sliding_window"]
+            value = _resolve_argument(expression, module)
+            if value is None or (_is_number(value) and value > 0):
+                return value
+            if value is not _UNRESOLVED:
+                raise ValueError(
+                    f"{self.describe(module)} passes sliding_window="
+                    f"{ast.unparse(expression)}, which is {value!r} on this module."
+                )
+        config = getattr(module, "config", None)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:
+            return None
+        index = self.layer_index(module)
+        layer_type = layer_types[index] if index < len(layer_types) else None
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(
+                f"{self.describe(module)}: config.layer_types[{index}] is "
+                f"{layer_type!r}; vLLM's attention in this backend serves "
+                f"{', '.join(LAYER_TYPES)} layers only."
+            )
+        if not LAYER_TYPES[layer_type]:
+            return None
+        return getattr(config, "sliding_window", None)
+
+    def attention_needs(
+        self, module: nn.Module, vllm_config: "VllmConfig"
+    ) -> AttentionNeeds:
+        """What vLLM's attention must be for this instance. Every argument of the
+        call is honoured here or refused with module, layer and argument named."""
+        self._check_arguments(module)
+        head_size = self.head_size(module)
+        num_heads = self._value(module, "num_heads", NUM_HEADS_ATTRIBUTES)
+        num_kv_heads = self._value(
+            module, "num_kv_heads", NUM_KV_HEADS_ATTRIBUTES, num_heads
+        )
+        head_size_v = self._value(module, "head_size_v", (), head_size)
+        self._check_widths(module, num_heads, num_kv_heads, head_size, head_size_v)
+        soft_cap = None
+        if "softcap" in self.arguments:
+            soft_cap = self._argument(module, "softcap")
+            if soft_cap is not None and not _is_number(soft_cap):
+                raise ValueError(
+                    f"{self.describe(module)} passes softcap={soft_cap!r}, not a number."
+                )
+        sinks = None
+        if "s_aux" in self.arguments:
+            expression = self.arguments["s_aux"]
+            if not (
+                is_self_attribute(expression)
+                and isinstance(getattr(module, expression.attr, None), torch.Tensor)
+            ):
+                raise ValueError(
+                    f"{self.describe(module)} passes s_aux={ast.unparse(expression)}; "
+                    "vLLM's attention takes sinks only from a parameter of the module "
+                    "(`s_aux=self.<parameter>`)."
+                )
+            sinks = expression.attr
+        causal = True
+        if "is_causal" in self.arguments:
+            value = self._argument(module, "is_causal")
+            causal = value is None or bool(value)
+        return AttentionNeeds(
+            layer_index=self.layer_index(module),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            head_size_v=head_size_v,
+            scale=self.scale(module),
+            sliding_window=self.sliding_window(module),
+            logits_soft_cap=None if soft_cap is None else float(soft_cap),
+            sinks=sinks,
+            causal=causal,
+            sources=dict(self.sources),
+        )
+
+    def _check_widths(
+        self,
+        module: nn.Module,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        head_size_v: int,
+    ) -> None:
+        """Where query, key and value each come from their own linear, its width must
+        be the heads this instance says it has."""
+        names = [self.sources.get(role) for role in "qkv"]
+        if None in names or len(set(names)) != 3:
+            return
+        expected = (
+            num_heads * head_size,
+            num_kv_heads * head_size,
+            num_kv_heads * head_size_v,
+        )
+        for role, name, width in zip("qkv", names, expected):
+            linear = getattr(module, name, None)
+            if isinstance(linear, nn.Linear) and linear.out_features != width:
+                raise ValueError(
+                    f"{self.describe(module)}: {name} computes the {role} "
+                    f"{linear.out_features} wide, but the module's heads say {width} "
+                    f"({num_heads} query / {num_kv_heads} key-value heads of "
+                    f"{head_size}); vLLM's attention would be built wrong."
+                )
 
     def info(self, name: str, module: nn.Module) -> str:
         return (

@@ -5,20 +5,21 @@
 A fuser describes one pattern recognised in a module class. It is found once per
 module class (see `fuser.py`) and then applied to every instance of that class:
 
-- `match(graph, module)` only looks, and returns a fuser or `None`;
-- `validate(module, vllm_config)` says whether one instance should take it;
-- `fuse(module, prefix, vllm_config)` applies it to that instance.
+- `match(graph, module)` only looks, and returns a fuser, `None`, or a `Declined`;
+- `mismatch(module, vllm_config)` says why one instance should not take it (and
+  `validate` whether it should);
+- `fuse(module, prefix, vllm_config)` applies it to that instance, and the other
+  hooks tell the build what that changed (weights, packing, attention, report).
 """
 
 import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from torch import fx, nn
 
-from vllm.logger import init_logger
 
 # Defined beside the rewrites that raise it (rewriting.py cannot import fusers/),
 # and
@@ -27,8 +28,6 @@ from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # 
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-logger = init_logger(__name__)
 
 ShardId = str | int
 """Which shard of a merged linear an original linear becomes (`"q"`, `0`, ...)."""
@@ -44,28 +43,63 @@ class Declined:
     location: str
 
 
-DECLINED: list[Declined] = []
-"""Every fusion declined in this process, in order (the fusion report reads it)."""
-
-
 def caller_location(depth: int = 2) -> str:
     """`file:line` of the code `depth` frames up, which is where a decision was taken."""
     frame = inspect.stack()[depth]
     return f"{frame.filename}:{frame.lineno}"
 
 
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a module that dispatches attention needs from vLLM, read off the instance
+    (model-wide values are wrong for models with per-layer head sizes or windows).
+
+    Head counts are the module's totals; how many of them each tensor-parallel rank
+    feeds is decided once its projections are swapped (`attention.py`)."""
+
+    layer_index: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: str | None = None
+    """The module's parameter holding one attention-sink logit per head (`s_aux`)."""
+    causal: bool = True
+    sources: dict[str, str | None] = field(default_factory=dict)
+    """Role (`q`, `k`, `v`, `o`) -> the child linear that computes it (`o`: that
+    projects the attention output), where dataflow says so."""
+    latent: Any = None
+    """Set by a fuser that serves the module with latent attention (MLA)."""
+
+
 @dataclass
 class BaseFuser:
-    """One pattern recognised in a module class, applied per instance."""
+    """One pattern recognised in a module class, applied per instance.
+
+    The build asks every fuser the same questions, in three stages (DESIGN §4): the
+    class analysis (`match`, and `update_forward` for rewrites), the instance plan
+    (`mismatch`), and the apply (`fuse`, then `stacked_weights`,
+    `packed_modules_mapping`, `attention_needs`/`adjust_attention`, `info` and
+    `kind` for the report)."""
 
     redefines_forward: ClassVar[bool] = False
     """Whether applying this fuser gives the class a new forward."""
     needs_graph: ClassVar[bool] = True
     """Whether `match` reads the fx graph, so the module class must be traced."""
+    kind: ClassVar[str] = ""
+    """What the fusion report counts this fuser as (`qkv`, `glu`, `rms_norm`...)."""
 
     @classmethod
-    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
-        """Recognise the pattern in `module`'s class. Only looks; changes nothing."""
+    def match(
+        cls, graph: fx.Graph | None, module: nn.Module
+    ) -> "Self | Declined | None":
+        """Recognise the pattern in `module`'s class. Only looks; changes nothing.
+
+        Returns the fuser, `None` when the pattern is absent, or the `Declined`
+        from `decline` when it almost matches."""
         raise NotImplementedError
 
     @classmethod
@@ -74,27 +108,24 @@ class BaseFuser:
         return True
 
     @classmethod
-    def decline(cls, module: nn.Module, reason: str) -> None:
-        """Record and log a near miss; returns `None` so `match` can return it."""
-        declined = Declined(
+    def decline(cls, module: nn.Module, reason: str) -> Declined:
+        """A near miss, for `match` to return; the registry logs and keeps it."""
+        return Declined(
             fuser=cls.__name__,
             module_class=type(module).__name__,
             reason=reason,
             location=caller_location(),
         )
-        DECLINED.append(declined)
-        logger.info(
-            "Declined %s for %s: %s (%s)",
-            declined.fuser,
-            declined.module_class,
-            reason,
-            declined.location,
-        )
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        """Why this instance differs from what the class analysis assumed (or cannot
+        take the fusion under `vllm_config`); `None` when it takes it. Re-derives
+        from the instance everything the rewrite depends on."""
         return None
 
     def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
         """Whether this instance of the matched class should take the fusion."""
-        return True
+        return self.mismatch(module, vllm_config) is None
 
     def fuse(
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
@@ -114,6 +145,18 @@ class BaseFuser:
     def stacked_weights(self, prefix: str) -> dict[str, tuple[str, ShardId]]:
         """Checkpoint name fragment -> (fused name fragment, shard) for weight loading."""
         return {}
+
+    def attention_needs(
+        self, module: nn.Module, vllm_config: "VllmConfig"
+    ) -> AttentionNeeds | None:
+        """The vLLM attention `module` needs, if this fuser makes it dispatch one."""
+        return None
+
+    def adjust_attention(
+        self, needs: AttentionNeeds, module: nn.Module, vllm_config: "VllmConfig"
+    ) -> AttentionNeeds:
+        """`needs`, changed by what this fuser did to `module` (latent attention)."""
+        return needs
 
 
 @dataclass

@@ -15,6 +15,7 @@ from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
+    Declined,
     FusionDeclined,
     StackedFuser,
 )
@@ -32,11 +33,7 @@ def _activation(node: fx.Node, module: nn.Module) -> str | None:
     """vLLM's act-and-mul name for the activation `node` applies, from what it computes
     (`F.silu`, `F.gelu`), whether it is a function call or a child module."""
     if (child := fx_utils.submodule(node, module)) is not None:
-        traced = tracing.trace(child)
-        calls = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
-        if not traced.complete or len(calls) != 1:
-            return None
-        node = calls[0]
+        return _activation_of_module(child)
     if node.op != "call_function":
         return None
     if node.target is F.silu:
@@ -45,6 +42,54 @@ def _activation(node: fx.Node, module: nn.Module) -> str | None:
         approximate = node.kwargs.get("approximate", "none")
         return {"none": "gelu", "tanh": "gelu_pytorch_tanh"}.get(approximate)
     return None
+
+
+_FUNCTIONS = {F.silu: "silu", F.gelu: "gelu"}
+"""Activation functions an instance may hold as a plain attribute (`self.act = F.silu`)
+and vLLM's act-and-mul name for each, with their default arguments."""
+
+
+def _activation_of_module(child: object) -> str | None:
+    """vLLM's act-and-mul name for the activation module `child` computes."""
+    if not isinstance(child, nn.Module):
+        return None
+    traced = tracing.trace(child)
+    calls = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
+    if not traced.complete or len(calls) != 1:
+        return None
+    return _activation(calls[0], child)
+
+
+def _activation_source(act: fx.Node, module: nn.Module) -> str | Declined:
+    """Where the activation `act` comes from, so each instance can be checked: a
+    child module, a function the instance holds, or one the forward's code names.
+    An activation chosen any other way (`ACT2FN[self.config.hidden_act](x)`) is
+    declined: the analysed instance's choice says nothing about the others."""
+    if act.op == "call_module":
+        return f"child:{act.target}"
+    source = rewriting.forward_source(type(module))
+    call = source.expression_at(act.meta.get("span")) if source else None
+    function = call.func if isinstance(call, ast.Call) else None
+    if source is None or function is None:
+        return GLUFuser.decline(module, "the activation call is not in the source")
+    if rewriting.is_self_attribute(function):
+        return f"attribute:{function.attr}"
+    # Names the forward binds itself (or `self`) may differ per instance; a
+    # function looked up from globals only (`F.silu`, `ACT2FN["silu"]`) may not.
+    local = {a.arg for a in ast.walk(source.tree.args) if isinstance(a, ast.arg)}
+    local |= {
+        n.id
+        for n in ast.walk(source.tree)
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    }
+    names = [n.id for n in ast.walk(function) if isinstance(n, ast.Name)]
+    if names and not any(n in local or n == "self" for n in names):
+        return "code"
+    return GLUFuser.decline(
+        module,
+        f"the activation is chosen while the forward runs ({ast.unparse(call)}), "
+        "so other instances may use another one",
+    )
 
 
 def _describe(node: fx.Node) -> str:
@@ -64,8 +109,14 @@ class GLUFuser(StackedFuser):
     activation from what it computes, so `ACT2FN[...]` modules and `F.silu(...)`
     calls alike. One vLLM has no fused act-and-mul for is declined."""
 
+    kind = "glu"
+
     activation: str = ""
     """vLLM's name for it, as `get_act_and_mul_fn` takes it."""
+    activation_source: str = ""
+    """Where each instance's activation comes from: `child:<name>` (an activation
+    module, re-read per instance), `attribute:<name>` (a function the instance holds)
+    or `code` (a function the forward names)."""
     activation_name: str = ""
     """The attribute holding the fused act-and-mul: the HF activation module's own
     name when it is replaced whole, else a new one."""
@@ -110,6 +161,9 @@ class GLUFuser(StackedFuser):
         if reason := called_once(graph, names):
             return cls.decline(module, reason)
         activation = _activation(act, module)
+        source = _activation_source(act, module)
+        if isinstance(source, Declined):
+            return source
         if activation is None:
             return cls.decline(
                 module,
@@ -138,6 +192,7 @@ class GLUFuser(StackedFuser):
             fused_name=rewriting.merged_name(names, module),
             shards={gate.target: 0, up.target: 1},
             activation=activation,
+            activation_source=source,
             activation_name=(
                 act.target
                 if replaced
@@ -151,6 +206,28 @@ class GLUFuser(StackedFuser):
                 up.target: up.meta.get("span"),
             },
         )
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        gate, up = (getattr(module, name, None) for name in self.shards)
+        if not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
+            return f"{' and '.join(self.shards)} are not both linears in this instance"
+        if gate.out_features != up.out_features or gate.in_features != up.in_features:
+            return f"{' and '.join(self.shards)} differ in shape in this instance"
+        if (gate.bias is None) != (up.bias is None):
+            return f"only one of {' and '.join(self.shards)} has a bias"
+        origin, _, name = self.activation_source.partition(":")
+        if origin == "child":
+            found = _activation_of_module(getattr(module, name, None))
+        elif origin == "attribute":
+            found = _FUNCTIONS.get(getattr(module, name, None))
+        else:
+            found = self.activation
+        if found != self.activation:
+            return (
+                f"this instance's activation is {found or 'one vLLM cannot fuse'}, not "
+                f"{self.activation} as in the instance the class was analysed on"
+            )
+        return None
 
     def update_forward(self, module: nn.Module) -> None:
         rewrite = ForwardRewrite(type(module))

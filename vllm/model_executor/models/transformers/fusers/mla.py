@@ -3,6 +3,7 @@
 """DeepSeek-style latent attention (MLA), handed to vLLM's `MLAAttention` compressed."""
 
 import ast
+import dataclasses
 import functools
 import inspect
 import textwrap
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING, Self
 
 from torch import fx, nn
 
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -20,6 +20,7 @@ from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
+    AttentionNeeds,
     FusionDeclined,
     StackedFuser,
 )
@@ -30,8 +31,6 @@ from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-logger = init_logger(__name__)
 
 _SLICING = frozenset(
     {
@@ -55,7 +54,7 @@ def _is_rms_norm(child: nn.Module) -> bool:
     """Whether `child` computes an RMSNorm, as `RMSNormFuser` recognises one."""
     if not RMSNormFuser.could_match(child):
         return False
-    return RMSNormFuser.match(tracing.trace(child).graph, child) is not None
+    return isinstance(RMSNormFuser.match(tracing.trace(child).graph, child), RMSNormFuser)
 
 
 def _sliced_from(node: object) -> object:
@@ -202,6 +201,8 @@ class MLAFuser(StackedFuser):
     ranks), the output projection row-parallel. Validated only when vLLM's model
     config uses MLA (`VLLM_MLA_DISABLE=1` leaves the module, expansion and all, to
     vLLM's plain attention)."""
+
+    kind = "mla"
 
     q_a: str | None = None
     q_norm: str | None = None
@@ -434,13 +435,11 @@ class MLAFuser(StackedFuser):
             return f"{heads} heads do not split over {tp_size} ranks"
         return None
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
-        reason = self.mismatch(module, vllm_config)
-        if reason is not None:
-            logger.debug(
-                "MLAFuser: not fused in this %s: %s", type(module).__name__, reason
-            )
-        return reason is None
+    def adjust_attention(
+        self, needs: AttentionNeeds, module: nn.Module, vllm_config: "VllmConfig"
+    ) -> AttentionNeeds:
+        # vLLM's MLAAttention caches the latent and applies `kv_b` itself.
+        return dataclasses.replace(needs, latent=self.kv_b)
 
     # Rewriting --------------------------------------------------------------------
 

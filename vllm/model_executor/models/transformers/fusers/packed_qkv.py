@@ -9,32 +9,31 @@ from typing import TYPE_CHECKING, Self
 import torch
 from torch import fx, nn
 
-from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     RewriteFuser,
 )
-from vllm.model_executor.models.transformers.fusers.qkv import (
+from vllm.model_executor.models.transformers.fusers.heads import (
     HEAD_SIZE_ATTRIBUTES,
     NUM_HEADS_ATTRIBUTES,
-    HeadLayout,
-    PerInstanceHeads,
     attention_roles,
     attribute_holding,
-    called_once,
     heads_at,
-    output_projection,
     resolve,
+)
+from vllm.model_executor.models.transformers.fusers.qkv import (
+    HeadLayout,
+    PerInstanceHeads,
+    called_once,
+    output_projection,
     row_parallel,
 )
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-logger = init_logger(__name__)
 
 _KEEPS_LAST_DIM = ("unsqueeze", "contiguous")
 """What may stand between the packed linear and its split: neither moves features
@@ -131,6 +130,8 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
 
     Only a split into query, key and value in that order, each a block of whole heads,
     is taken; any other packing is declined, never guessed."""
+
+    kind = "packed_qkv"
 
     packed_name: str = ""
     output_name: str = ""

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Self
 import torch
 from torch import fx, nn
 
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import QKVParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import rewriting
@@ -16,46 +15,18 @@ from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
 )
+from vllm.model_executor.models.transformers.fusers.heads import (
+    HEAD_SIZE_ATTRIBUTES,
+    attention_roles,
+    attribute_holding,
+    heads_at,
+    resolve,
+)
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-logger = init_logger(__name__)
-
-HEAD_SIZE_ATTRIBUTES = (
-    "head_dim",
-    "head_size",
-    "attention_head_size",
-    "config.head_dim",
-)
-NUM_HEADS_ATTRIBUTES = (
-    "num_heads",
-    "num_attention_heads",
-    "config.num_attention_heads",
-)
-"""Where attention modules keep their head size and query head count. The dataflow
-gives both for the traced instance; the attribute holding the same value is what
-every other instance of the class is read from."""
-
-
-def resolve(module: nn.Module, path: str) -> object:
-    """`module.<path>` for a dotted `path`, `None` where an attribute is missing."""
-    for name in path.split("."):
-        module = getattr(module, name, None)
-    return module
-
-
-def attribute_holding(
-    module: nn.Module, paths: tuple[str, ...], value: int
-) -> str | None:
-    """The first of `paths` at which `module` holds the integer `value`."""
-    return next(
-        (p for p in paths if type(held := resolve(module, p)) is int and held == value),
-        None,
-    )
-
 
 @dataclass(frozen=True)
 class HeadLayout:
@@ -115,38 +86,13 @@ class PerInstanceHeads:
     def layout(self, module: nn.Module) -> HeadLayout:
         raise NotImplementedError
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
             self.layout(module).check_divides(tp_size)
         except FusionDeclined as reason:
-            logger.info(
-                "%s: not fused in this %s: %s",
-                type(self).__name__,
-                type(module).__name__,
-                reason,
-            )
-            return False
-        return True
-
-
-def heads_at(node: fx.Node) -> torch.Tensor | None:
-    """The `(batch, heads, tokens, head size)` value reaching the attention call as
-    `node`, read where it was last known: shapes through a partial rotary embedding
-    are not, the projection viewed into heads just before it is."""
-    if isinstance(found := fx_utils.value(node), torch.Tensor):
-        return found
-    known = fx_utils.upstream(
-        node, lambda n: isinstance(v := fx_utils.value(n), torch.Tensor) and v.ndim == 4
-    )
-    shapes = {fx_utils.value(n).shape for n in known}
-    return fx_utils.value(known.pop()) if len(shapes) == 1 else None
-
-
-def attention_roles(graph: fx.Graph) -> tuple[fx.Node, fx.Node, fx.Node] | None:
-    """The query, key and value the attention call takes, if tracing reached it."""
-    attention = fx_utils.attention_node(graph)
-    return None if attention is None else tuple(attention.args[:3])
+            return str(reason)
+        return None
 
 
 def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str:
@@ -202,6 +148,8 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
     Roles come from dataflow: the linear each of the attention call's query, key and
     value is computed from, whatever the names or the call order, norms or rotary
     embeddings in between. The head size is the query's last dimension at the call."""
+
+    kind = "qkv"
 
     output_name: str = ""
     head_size_attribute: str = ""
@@ -291,19 +239,23 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         q, k, v = (getattr(module, name).out_features for name in self.shards)
         return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
 
-    def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         if (
             self.whole_width_norms
             and vllm_config.parallel_config.tensor_parallel_size > 1
         ):
-            logger.info(
-                "QKVFuser: not fused in this %s under tensor parallelism: %s normalise "
-                "all heads together",
-                type(module).__name__,
-                ", ".join(self.whole_width_norms),
+            return (
+                f"{', '.join(self.whole_width_norms)} normalise all heads together, "
+                "which one rank's share of the heads cannot do"
             )
-            return False
-        return super().validate(module, vllm_config)
+        projections = [getattr(module, name, None) for name in self.shards]
+        if not all(isinstance(p, nn.Linear) for p in projections):
+            return f"{', '.join(self.shards)} are not all linears in this instance"
+        if len({p.bias is None for p in projections}) != 1:
+            return "some of the projections have a bias in this instance, some not"
+        if {p.in_features for p in projections} != {projections[0].in_features}:
+            return "the projections read inputs of different widths"
+        return super().mismatch(module, vllm_config)
 
     def update_forward(self, module: nn.Module) -> None:
         rewrite = ForwardRewrite(type(module))

@@ -108,6 +108,7 @@ class RMSNormFuser(BaseFuser):
     name `weight`, so checkpoints load unchanged."""
 
     needs_graph = True
+    kind = "rms_norm"
 
     gemma: bool = False
     weight_in_float32: bool = False
@@ -245,6 +246,16 @@ class RMSNormFuser(BaseFuser):
         return cls(
             eps_attribute=holders[0] if holders else None, eps=float(eps), **numerics
         )
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.ndim != 1:
+            return "this instance has no 1-D `weight` parameter"
+        if self.eps_attribute is not None:
+            eps = getattr(module, self.eps_attribute, None)
+            if isinstance(eps, bool) or not isinstance(eps, int | float):
+                return f"its eps attribute {self.eps_attribute} holds {eps!r}"
+        return None
 
     def fuse(
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
