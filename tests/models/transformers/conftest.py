@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fixtures for building the backend in-process, on the CPU, from a config alone."""
+"""Fixtures for building the backend in-process, on the CPU, from a config alone; a
+clean fuser registry per test; fusing a module the way the backend does and loading
+the original weights into the result through vLLM's weight loaders."""
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +19,10 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
+from vllm.model_executor.models.transformers import fuser as registry
 from vllm.model_executor.models.transformers import report
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 
@@ -64,3 +70,114 @@ def build_backend(vllm_runtime: None, tmp_path: Path) -> Callable[..., nn.Module
             return getattr(backend, backend_class)(vllm_config=vllm_config)
 
     return build
+
+
+TOLERANCES = {
+    # GEMMs of other shapes round differently in float32; float64 shows the rest.
+    torch.float32: (1e-5, 1e-4),
+    torch.float64: (1e-10, 1e-10),
+    # Only elementwise fusions are checked in bfloat16, and they must be exact.
+    torch.bfloat16: (0.0, 0.0),
+}
+
+
+@pytest.fixture(scope="session")
+def _session_vllm_config(vllm_runtime: None) -> VllmConfig:
+    return VllmConfig()
+
+
+@pytest.fixture
+def vllm_config(_session_vllm_config: VllmConfig) -> Iterator[VllmConfig]:
+    """The current vLLM config, over the world-size-1 group of `vllm_runtime`: vLLM's
+    layers need both to be built and run on the CPU."""
+    with set_current_vllm_config(_session_vllm_config):
+        yield _session_vllm_config
+
+
+@pytest.fixture(autouse=True)
+def clean_registry() -> Iterator[None]:
+    """Each test finds its fusers afresh: the registry caches by class and children,
+    and tests reuse classes with other shapes."""
+    registry.clear_cache()
+    yield
+    registry.clear_cache()
+
+
+@pytest.fixture
+def declined() -> Callable[[type[BaseFuser]], list[str]]:
+    """`declined(fuser)`: the reasons the class analyses of this test recorded for
+    declining `fuser`."""
+    return lambda fuser: [
+        d.reason
+        for analysis in registry.analysed()
+        for d in analysis.declined
+        if d.fuser == fuser.__name__
+    ]
+
+
+@pytest.fixture
+def fuse(vllm_config: VllmConfig) -> Callable[..., tuple[nn.Module, list[BaseFuser]]]:
+    """`fuse(module, dtype)`: `module` fused as the backend fuses it, its original
+    weights loaded into the fused layers through their weight loaders and
+    `stacked_weights`; returns the module to use in its place and the fusers applied."""
+    return lambda module, dtype=torch.float32: _fuse(module, vllm_config, dtype)
+
+
+@pytest.fixture
+def equivalent(fuse) -> Callable[..., tuple[nn.Module, list[BaseFuser]]]:
+    """`equivalent(module, *inputs, dtype=...)`: fuse `module` (with random weights,
+    in `dtype`) and check it computes what the original did on `inputs`; returns what
+    `fuse` does."""
+
+    def check(module: nn.Module, *inputs, dtype: torch.dtype = torch.float32):
+        module = randomize(module, dtype)
+        reference = copy.deepcopy(module)
+        fused, applied = fuse(module, dtype)
+        with torch.no_grad():
+            expected, actual = reference(*inputs), fused(*inputs)
+        if isinstance(expected, tuple):
+            expected, actual = expected[0], actual[0]
+        atol, rtol = TOLERANCES[dtype]
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+        return fused, applied
+
+    return check
+
+
+def _fuse(
+    module: nn.Module, vllm_config: VllmConfig, dtype: torch.dtype
+) -> tuple[nn.Module, list[BaseFuser]]:
+    weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
+    parent = nn.Module()
+    parent.m = module
+    applied = [
+        f for f in registry.get_fusers(module) if f.validate(module, vllm_config)
+    ]
+    stacked = {}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for fuser in applied:
+            parent.m = fuser.fuse(parent.m, "m", vllm_config)
+            stacked.update(fuser.stacked_weights("m"))
+    finally:
+        torch.set_default_dtype(default)
+    mapper = WeightsMapper(orig_to_new_stacked=stacked)
+    AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))
+    for layer in parent.modules():
+        if (method := getattr(layer, "quant_method", None)) is not None:
+            method.process_weights_after_loading(layer)
+    return parent.m, applied
+
+
+def randomize(module: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`module` in `dtype` with every parameter random, so zero- or one-initialised
+    weights (norms, biases) are exercised too."""
+    module = module.to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(
+                torch.randn(param.shape, generator=generator, dtype=dtype) * 0.5
+            )
+    return module.eval()

@@ -1,7 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Building the backend on the CPU from a config: what it attaches, and what it refuses."""
 
+import ast
+from pathlib import Path
+
 import pytest
+import torch
 from transformers.models.llama import modeling_llama
 
 from vllm.model_executor.layers.attention import Attention
@@ -83,3 +87,99 @@ def test_other_backend_classes_say_not_supported_and_name_the_switch(
 ):
     with pytest.raises(NotImplementedError, match="VLLM_TRANSFORMERS_BACKEND=stock"):
         build_backend(small_config("llama"), backend_class=backend_class)
+
+
+BUILD_CODE = ("base.py", "attention.py", "causal.py", "loading.py", "fusion_report.py")
+
+
+@pytest.mark.parametrize("filename", BUILD_CODE)
+def test_build_code_names_no_fuser_class(filename):
+    """The build asks fusers through the contract's hooks; a new family adds fusers,
+    not branches in the core (DESIGN §4)."""
+    from vllm.model_executor.models.transformers import fusers
+
+    fuser_classes = {cls.__name__ for cls in fusers.FUSER_CLASSES}
+    source = (Path(fusers.__file__).parent.parent / filename).read_text()
+    named = {
+        node.id if isinstance(node, ast.Name) else node.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Name | ast.Attribute)
+    } | {
+        alias.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not named & fuser_classes, f"{filename} names {named & fuser_classes}"
+    assert not any(name in source for name in fuser_classes)
+
+
+def test_packed_modules_mapping_is_known_before_layers_are_built(build_backend):
+    model = build_backend(small_config("llama"))
+    assert model.packed_modules_mapping == {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    mapper = model.hf_to_vllm_mapper
+    assert mapper.apply_list(["model.layers.0.self_attn.q_proj.weight"]) == [
+        "model.layers.0.self_attn.qkv_proj.weight"
+    ]
+
+
+def _checkpoint(model, extra: dict[str, torch.Tensor]) -> list:
+    """`model`'s own tensors under their HF names, plus `extra`."""
+    layers = model.model.layers
+    hf = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight,
+        "model.norm.weight": model.model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
+    for i, layer in enumerate(layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        q, k, v = attention.qkv_proj.weight.split(
+            attention.qkv_proj.output_partition_sizes
+        )
+        gate, up = mlp.gate_up_proj.weight.chunk(2)
+        for name, tensor in dict(
+            zip(
+                ["q_proj", "k_proj", "v_proj", "o_proj"],
+                [q, k, v, attention.o_proj.weight],
+            )
+        ).items():
+            hf[f"model.layers.{i}.self_attn.{name}.weight"] = tensor
+        for name, tensor in dict(
+            gate_proj=gate, up_proj=up, down_proj=mlp.down_proj.weight
+        ).items():
+            hf[f"model.layers.{i}.mlp.{name}.weight"] = tensor
+        hf[f"model.layers.{i}.input_layernorm.weight"] = layer.input_layernorm.weight
+        hf[f"model.layers.{i}.post_attention_layernorm.weight"] = (
+            layer.post_attention_layernorm.weight
+        )
+    hf.update(extra)
+    return [(name, tensor.detach().clone()) for name, tensor in hf.items()]
+
+
+def test_a_checkpoint_tensor_nothing_consumes_is_an_error_naming_it(build_backend):
+    # An LM-head bias on a model whose head has none would be skipped by vLLM's
+    # loader without a word (it ignores unexpected biases).
+    model = build_backend(small_config("llama"))
+    weights = _checkpoint(model, {"lm_head.bias": torch.zeros(128)})
+    with pytest.raises(ValueError, match=r"'lm_head.bias'.* consumed by no parameter"):
+        model.load_weights(weights)
+
+
+def test_known_unneeded_tensors_are_skipped_and_the_rest_loads(build_backend):
+    model = build_backend(small_config("llama"))
+    extra = {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16),
+        # A multi-token-prediction layer after the last decoder layer.
+        "model.layers.2.mlp.down_proj.weight": torch.ones(128, 256),
+    }
+    loaded = model.load_weights(_checkpoint(model, extra))
+    assert loaded == {name for name, _ in model.named_parameters()}
+
+
+def test_an_lm_head_with_a_bias_gets_one(build_backend):
+    model = build_backend(small_config("phi", hidden_size=128, num_attention_heads=4))
+    assert model.lm_head.bias is not None
+    assert model.lm_head.bias.shape == (model.lm_head.num_embeddings_per_partition,)

@@ -164,6 +164,34 @@ class ProjectionReadElsewhere(Attention):
         return self.attend(q, k, v)
 
 
+class WritesInPlaceBetween(Attention):
+    """Doubles its input between the key and the value projection: hoisting the
+    value projection above that write would compute it from the undoubled input."""
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        hidden_states.mul_(2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
+class AddsIntoAnAliasBetween(Attention):
+    """Adds into its input through another name: the trace sees a new value under
+    `alias` and the same input for all three projections, but eager PyTorch modifies
+    `hidden_states` itself before the key and value projections."""
+
+    def forward(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        alias = hidden_states
+        alias += 1
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        return self.attend(q, k, v)
+
+
 def tokens(dtype=torch.float32, width: int = HIDDEN, seed: int = 1) -> torch.Tensor:
     return torch.randn(
         2, 5, width, dtype=dtype, generator=torch.Generator().manual_seed(seed)
@@ -262,6 +290,8 @@ def test_nothing_is_matched_when_tracing_stops_before_the_projections(declined):
         (MixedBiasAttention(), "some of the projections have a bias"),
         (StopsBeforeAttention(), "did not reach a single attention call"),
         (ProjectionReadElsewhere(), "forward uses self.q_proj 2 times"),
+        (WritesInPlaceBetween(), "`hidden_states` changes between"),
+        (AddsIntoAnAliasBetween(), "`hidden_states` changes between"),
     ],
     ids=[
         "cross-attention",
@@ -269,6 +299,8 @@ def test_nothing_is_matched_when_tracing_stops_before_the_projections(declined):
         "mixed-bias",
         "trace-stops-before-attention",
         "projection-read-elsewhere",
+        "in-place-method-between",
+        "augmented-assignment-through-alias-between",
     ],
 )
 def test_near_misses_are_declined_with_a_reason(module, reason, declined):

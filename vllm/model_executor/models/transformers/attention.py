@@ -82,7 +82,7 @@ def vllm_mla_attention_forward(
     """The `"vllm_mla"` attention function: hand `module.attn`, an `MLAAttention`, the
     query and the compressed KV.
 
-    A forward rewritten by `MLAFuser` passes the normalised latent
+    A forward rewritten by the latent-attention fuser passes the normalised latent
     `[1, 1, tokens, kv_lora_rank]` as `key` and the rotary key
     `[1, 1, tokens, qk_rope_head_dim]` as `value`, never expanded: `MLAAttention`
     caches them as they are and applies `kv_b` itself. The query is

@@ -21,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from cachetools import cached
 from torch import fx, nn
 
 from vllm.logger import init_logger
@@ -94,9 +93,28 @@ def _match(
         return _failure(fuser_cls, module, error)
 
 
-@cached(cache={}, key=key, lock=threading.RLock())
+_analyses: dict[Key, ClassAnalysis] = {}
+# One analysis at a time, held while it runs: tracing swaps the attention registry in
+# the forward's module globals, so two concurrent traces could leave it swapped.
+_analysis_lock = threading.RLock()
+
+
 def analyse(module: nn.Module) -> ClassAnalysis:
     """Stage 1 for `module`'s key: every fuser that applies, and every decline."""
+    with _analysis_lock:
+        found = _analyses.get(key(module))
+        if found is None:
+            found = _analyses[key(module)] = _analyse(module)
+        return found
+
+
+def analysed() -> tuple[ClassAnalysis, ...]:
+    """Every class analysis made so far."""
+    with _analysis_lock:
+        return tuple(_analyses.values())
+
+
+def _analyse(module: nn.Module) -> ClassAnalysis:
     try:
         graph = _trace_if_needed(module)
     except Exception as error:  # noqa: BLE001 - tracing already stops where it fails
@@ -144,7 +162,8 @@ def get_fuser(module: nn.Module, cls: type[F]) -> F | None:
 
 def clear_cache() -> None:
     """Forget every class analysis (tests that reuse a class with other shapes)."""
-    analyse.cache_clear()
+    with _analysis_lock:
+        _analyses.clear()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The registry (`fuser.py`): class analysis cached per key, pure and failing closed;
+the instance plan re-checking every instance against the class verdict."""
+
+import importlib.util
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers.fusers import GLUFuser, QKVFuser
+from vllm.model_executor.models.transformers.fusers import base as fuser_base
+
+
+def mlp(hidden_act: str) -> LlamaMLP:
+    config = AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, hidden_act=hidden_act
+    )
+    return LlamaMLP(config)
+
+
+def test_an_instance_unlike_the_analysed_one_declines_with_its_reason(vllm_config):
+    # Same class and children, so one class verdict: GLUFuser with SiluAndMul.
+    silu, relu = mlp("silu"), mlp("relu")
+    parent = nn.Module()
+    parent.silu, parent.relu = silu, relu
+    analysed = registry.get_fuser(silu, GLUFuser)
+    assert analysed is not None and registry.get_fuser(relu, GLUFuser) is analysed
+    plan = registry.Fusers(parent, vllm_config)
+    assert [type(f) for f in plan[silu]] == [GLUFuser]
+    assert plan[relu] == ()
+    (declined,) = plan.declined
+    assert (declined.module, declined.fuser) == ("relu", "GLUFuser")
+    assert "activation is one vLLM cannot fuse, not silu" in declined.reason
+
+
+def test_a_fuser_that_raises_is_declined_not_raised(monkeypatch):
+    def broken(cls, graph, module):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(GLUFuser, "match", classmethod(broken))
+    analysis = registry.analyse(mlp("silu"))
+    assert not any(isinstance(f, GLUFuser) for f in analysis.fusers)
+    (declined,) = [d for d in analysis.declined if d.fuser == "GLUFuser"]
+    assert declined.reason == "analysis failed: RuntimeError: boom"
+    line = broken.__code__.co_firstlineno + 1
+    assert declined.location.endswith(f"{Path(__file__).name}:{line}")
+
+
+def test_declines_live_in_the_cache_entry_not_in_module_state():
+    assert not hasattr(fuser_base, "DECLINED")
+    module = mlp("silu")
+    assert registry.analyse(module) is registry.analyse(mlp("silu"))
+    registry.clear_cache()
+    assert registry.analyse(module) is not None
+
+
+def test_concurrent_analyses_of_one_key_agree():
+    modules = [mlp("silu") for _ in range(8)]
+    results = []
+    threads = [
+        threading.Thread(target=lambda m=m: results.append(registry.analyse(m)))
+        for m in modules
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 8
+    assert len({tuple(type(f) for f in r.fusers) for r in results}) == 1
+    assert len({id(r) for r in [registry.analyse(m) for m in modules]}) == 1
+
+
+FUTURE_ANNOTATIONS = """
+    from __future__ import annotations
+
+    from typing import TYPE_CHECKING
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    if TYPE_CHECKING:
+        from a_package_that_is_not_installed import Tensor
+
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head_dim = 8
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+                nn.Linear(32, 32) for _ in range(4)
+            )
+
+        def forward(self, hidden_states: Tensor) -> Tensor:
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).flatten(2))
+"""
+
+
+def test_forward_annotated_with_names_only_type_checkers_import(tmp_path, equivalent):
+    # Common in remote code: annotations are strings under `from __future__ import
+    # annotations`, naming what is imported only under TYPE_CHECKING.
+    path = tmp_path / "remote_attention.py"
+    path.write_text(textwrap.dedent(FUTURE_ANNOTATIONS))
+    spec = importlib.util.spec_from_file_location("remote_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["remote_attention"] = module
+    try:
+        spec.loader.exec_module(module)
+        inputs = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+        fused, applied = equivalent(module.Attention(), inputs)
+        assert [type(f) for f in applied] == [QKVFuser]
+    finally:
+        del sys.modules["remote_attention"]
