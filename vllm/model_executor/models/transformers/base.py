@@ -7,8 +7,8 @@ Construction happens in this order, each step owned by one place:
 1. patch the text config to dispatch attention into vLLM, build the HF model with
    its parameters on `meta` (`build_hf_model`);
 2. drop the layers another pipeline stage owns (`parallel.py`);
-3. apply the fusers and swap HF layers for vLLM's tensor-parallel ones
-   (`Base.replace_modules`);
+3. plan the fusions: class analysis, then what each instance takes (`fuser.py`);
+   apply the plan and swap HF layers for vLLM's tensor-parallel ones (`Base.apply`);
 4. attach a vLLM `Attention` to each module that dispatches it (`attention.py`);
 5. allocate what is still on `meta`; weights load later (`loading.py`).
 """

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 from torch import fx, nn
 
 
-# Defined beside the rewrites that raise it (rewriting.py cannot import fusers/),
-# and
+# Defined beside the rewrites that raise it (rewriting.py cannot import fusers/) and
 # re-exported here as part of the fuser contracts.
 from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # noqa: F401
 
