@@ -8,6 +8,11 @@ q/k/v/o and gate/up/down, so vLLM has to split it over the fused `qkv_proj` and
 at random here so the adapter changes the output. With the adapter, the engine's greedy
 tokens and logprobs must equal Transformers + PEFT's.
 
+Every prompt runs with the adapter. Base requests batched beside an adapter's are wrong
+on the CPU engine with the default `max_loras=1` (vLLM's CPU LoRA ops index the slots
+with -1 for "no adapter", which wraps to the last slot: the adapter); `max_loras=2`
+serves them right. That is vLLM's, whichever model implementation runs.
+
 `E2E_IMPL` (as in `test_end_to_end.py`) picks what the engine test runs: `project`,
 `stock` or `native`.
 """
