@@ -71,7 +71,7 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Adapter:
     return Adapter(path, reference)
 
 
-# --- what vLLM's LoRA manager reads (no engine) ----------------------------------------
+# --- what vLLM's LoRA manager reads (no engine) ---------------------------------------
 
 
 def test_backend_classes_declare_lora_support():
@@ -128,7 +128,7 @@ def test_packed_mapping_is_known_before_layers_are_built(build_backend, monkeypa
     ]
 
 
-# --- the reference itself (no engine) ----------------------------------------------------
+# --- the reference itself (no engine) -------------------------------------------------
 
 
 def test_adapter_changes_the_output_and_stays_well_separated(adapter):
@@ -138,7 +138,7 @@ def test_adapter_changes_the_output_and_stays_well_separated(adapter):
     assert margin >= tiny.MIN_MARGIN, f"top-1/top-2 margin {margin:.3g}"
 
 
-# --- the engine ---------------------------------------------------------------------------
+# --- the engine -----------------------------------------------------------------------
 
 
 @pytest.mark.engine
