@@ -491,6 +491,7 @@ def run_engine(
     timeout: float = 600,
     kv_cache: bool = False,
     extra_env: dict[str, str] | None = None,
+    lora: Path | str | None = None,
 ) -> EngineRun:
     """Start `vllm.LLM` in a subprocess, generate greedily with logprobs, return it.
 
@@ -498,7 +499,8 @@ def run_engine(
     `tensor_parallel_size=2` each worker is bound to its own core. `probe` also runs
     `_probe` on the model inside each worker (`LLM.apply_model`); `kv_cache` reads
     each worker's KV cache spec (`_kv_cache_probe`). `extra_env` is added to the
-    engine's environment (e.g. `VLLM_MLA_DISABLE=1`)."""
+    engine's environment (e.g. `VLLM_MLA_DISABLE=1`). `lora` is a PEFT adapter folder:
+    the engine starts with `enable_lora=True` and every prompt runs with it."""
     spec = dict(
         model=str(path),
         prompt_token_ids=encode(path, prompts),
@@ -508,6 +510,7 @@ def run_engine(
         probe=probe,
         kv_cache=kv_cache,
         llm_kwargs=llm_kwargs or {},
+        lora=None if lora is None else str(lora),
     )
     env = dict(os.environ)
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
@@ -627,6 +630,7 @@ def _kv_cache_probe(worker) -> dict[str, dict[str, Any]]:
 def _engine_main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     kwargs = dict(
         model=spec["model"],
@@ -637,6 +641,7 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=1 << 30,
         enforce_eager=True,
+        enable_lora=spec["lora"] is not None,
     )
     kwargs.update(spec["llm_kwargs"])
     llm = LLM(**kwargs)
@@ -644,7 +649,8 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=1
     )
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompt_token_ids"]]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] else None
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     completions = []
     for ids, output in zip(spec["prompt_token_ids"], outputs):
         sample = output.outputs[0]

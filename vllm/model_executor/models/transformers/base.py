@@ -27,7 +27,11 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsPP, SupportsQuant
+from vllm.model_executor.models.interfaces import (
+    SupportsLoRA,
+    SupportsPP,
+    SupportsQuant,
+)
 from vllm.model_executor.models.interfaces_base import VllmModel
 from vllm.model_executor.models.transformers.attention import (
     AttentionSite,
@@ -169,8 +173,12 @@ def enable_compile(base_model: nn.Module, vllm_config: "VllmConfig") -> None:
     compilable.__init__(base_model, vllm_config=vllm_config)
 
 
-class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
-    """A HF model made vLLM-native: fused, tensor-parallel, with vLLM attention."""
+class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
+    """A HF model made vLLM-native: fused, tensor-parallel, with vLLM attention.
+
+    LoRA: vLLM's manager wraps every vLLM linear (and the modules `embedding_modules`
+    names), expands merged ones through `packed_modules_mapping` to the names an
+    adapter uses, and renames adapter tensors with `hf_to_vllm_mapper`."""
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
         super().__init__()
@@ -232,6 +240,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
         """Parameter name -> another parameter that loads the same checkpoint tensor."""
         sites = self.apply(getattr(self.model, "_tp_plan", None))
         self.hf_to_vllm_mapper = self.layout.mapper()
+        self.embedding_modules = self.input_embedding_modules()
         layer_names = {
             i: describe_layer(f"{BASE}.{layers_name}.{i}", layers[i])
             for i in self.layer_range
@@ -322,6 +331,16 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsPP):
 
         replace(self.model, "")
         return sites
+
+    def input_embedding_modules(self) -> dict[str, str]:
+        """The input embedding for LoRA's `embedding_modules`, by the last part of its
+        name (how vLLM matches modules), where this stage holds vLLM's vocab embedding:
+        the only kind vLLM's LoRA layers can wrap (Gemma's scaled one stays HF's)."""
+        embedding = self.model.get_input_embeddings()
+        if not isinstance(embedding, VocabParallelEmbedding):
+            return {}
+        name = next(n for n, m in self.model.named_modules() if m is embedding)
+        return {name.rpartition(".")[2]: "input_embeddings"}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(input_ids)

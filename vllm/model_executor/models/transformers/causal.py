@@ -46,6 +46,11 @@ class CausalMixin(VllmModelForTextGeneration, Base):
         elif self.tie_word_embeddings:
             name = next(n for n, p in self.named_parameters() if p is embedding.weight)
             self.weight_copies[name] = "lm_head.weight"
+        # vLLM's LoRA finds the head by this name and wraps `logits_processor` with it.
+        self.embedding_modules = {
+            **self.embedding_modules,
+            "lm_head": "output_embeddings",
+        }
         self.logits_processor = LogitsProcessor(
             text_config.vocab_size,
             scale=getattr(text_config, "logit_scale", 1.0),
