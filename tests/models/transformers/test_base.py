@@ -114,7 +114,7 @@ def test_build_code_names_no_fuser_class(filename):
     assert not any(name in source for name in fuser_classes)
 
 
-def test_packed_modules_mapping_is_known_before_layers_are_built(build_backend):
+def test_packed_mapping_and_checkpoint_name_mapper_are_exposed(build_backend):
     model = build_backend(small_config("llama"))
     assert model.packed_modules_mapping == {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
