@@ -549,7 +549,7 @@ def run_engine(
         seconds = time.monotonic() - start
         if process.returncode != 0 or not out_file.is_file():
             raise RuntimeError(
-                f"engine exited with {process.returncode}:\n{_tail(log)}"
+                f"engine exited with {process.returncode}:\n{_failure(log)}"
             )
         out = json.loads(out_file.read_text())
     return EngineRun(
@@ -565,6 +565,39 @@ def _tail(text: str | bytes | None, lines: int = 80) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return "\n".join((text or "").splitlines()[-lines:])
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def first_traceback(log: str, max_lines: int = 80) -> str | None:
+    """The first traceback in an engine log, through its exception line.
+
+    The root cause is usually there: a failed worker makes the engine core, then the
+    `LLM` in the main process, fail in turn, and their tracebacks fill the tail. Lines
+    from engine processes carry a prefix such as `(EngineCore_DP0 pid=12) `, kept as
+    the traceback's own."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if TRACEBACK in line), None)
+    if start is None:
+        return None
+    prefix = lines[start][: lines[start].index(TRACEBACK)]
+    block = [lines[start]]
+    for line in lines[start + 1 : start + max_lines]:
+        if not line.startswith(prefix):
+            continue  # another process's line, interleaved
+        block.append(line)
+        body = line[len(prefix) :]
+        if body and not body[0].isspace():
+            break  # the exception line (frames and their source are indented)
+    return "\n".join(block)
+
+
+def _failure(log: str) -> str:
+    """What a failed engine run shows: its first traceback, then the log's tail."""
+    first = first_traceback(log)
+    head = f"first traceback in the engine log:\n{first}\n\n" if first else ""
+    return f"{head}log tail:\n{_tail(log, 40)}"
 
 
 def _probe(model) -> dict[str, Any]:
@@ -854,8 +887,68 @@ def compare(
     return worst
 
 
+def differs(
+    base: tuple[Completion, ...] | list[Completion],
+    changed: tuple[Completion, ...] | list[Completion],
+) -> bool:
+    """Other greedy tokens, or logprobs moved far beyond `LOGPROB_ATOL`: what a
+    feature that matters does to a reference when it is turned off."""
+    if any(a.token_ids != b.token_ids for a, b in zip(base, changed)):
+        return True
+    gap = max(
+        abs(x - y)
+        for a, b in zip(base, changed)
+        for x, y in zip(a.logprobs, b.logprobs)
+    )
+    return gap > 100 * LOGPROB_ATOL
+
+
 def report(what: str, run: EngineRun, gap: float) -> None:
     print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
+
+
+# --- engine runs shared by the end-to-end test files ------------------------------
+
+IMPLS: dict[str, dict[str, str]] = {
+    "project": dict(model_impl="transformers", backend="project"),
+    "stock": dict(model_impl="transformers", backend="stock"),
+    "native": dict(model_impl="vllm", backend="project"),
+}
+"""What `E2E_IMPL` can pick for the parity tests: this project's backend, vLLM's own
+copy of the subpackage, or vLLM's native model."""
+
+
+def e2e_impl() -> str:
+    """`E2E_IMPL` (default `project`), checked."""
+    impl = os.environ.get("E2E_IMPL", "project")
+    if impl not in IMPLS:
+        raise ValueError(f"E2E_IMPL must be one of {sorted(IMPLS)}, got {impl!r}")
+    return impl
+
+
+_ENGINE_RUNS: dict[tuple[str, str, int], EngineRun | Exception] = {}
+
+
+def shared_engine(
+    model_type: str, impl: str, tensor_parallel_size: int = 1
+) -> EngineRun:
+    """One engine start per (model, implementation, TP) and process, shared by the
+    tests; a start that failed is not retried (its error is raised again)."""
+    key = (model_type, impl, tensor_parallel_size)
+    if key not in _ENGINE_RUNS:
+        try:
+            _ENGINE_RUNS[key] = run_engine(
+                checkpoint(model_type),
+                tensor_parallel_size=tensor_parallel_size,
+                probe=True,
+                **IMPLS[impl],
+            )
+        except Exception as e:
+            _ENGINE_RUNS[key] = e
+    run = _ENGINE_RUNS[key]
+    if isinstance(run, Exception):
+        raise RuntimeError(f"engine {key} failed to run (see its first test)") from run
+    return run
 
 
 def main(argv: list[str]) -> None:
