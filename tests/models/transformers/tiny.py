@@ -154,6 +154,63 @@ ARCHS: dict[str, dict[str, Any]] = {
     # DeepSeek-V2: MLA without query LoRA (one `q_proj`), complex rotary, values as
     # wide as query/key heads.
     "deepseek_v2": dict(**MLA, q_lora_rank=None, v_head_dim=128),
+    # --- dense architectures vLLM 0.32 routes to this backend by default ---
+    # Arcee: Llama with a non-gated ReLU^2 MLP (up/down, no gate to fuse).
+    "arcee": dict(head_dim=32),
+    # CWM: Llama with llama3 rope scaling (its default) and one full layer in four,
+    # the others sliding (config default `layer_types`: full, sliding x3).
+    "cwm": dict(head_dim=32, sliding_window=SLIDING_WINDOW),
+    # GLM: rotary on half of each head, interleaved; q/k/v biases; packed
+    # `gate_up_proj`.
+    "glm": dict(head_dim=32),
+    # GPTBigCode: multi-query attention (one KV head) packed in `c_attn` with q,
+    # learned positions, LayerNorm, biases everywhere, tied embeddings.
+    "gpt_bigcode": dict(
+        n_inner=256,
+        intermediate_size=None,
+        num_key_value_heads=None,
+        multi_query=True,
+        tie_word_embeddings=True,
+    ),
+    # HunYuan dense: q/k RMSNorm per head, applied after the rotary embedding.
+    "hunyuan_v1_dense": dict(head_dim=32),
+    # Jais2: LayerNorm, a non-gated ReLU^2 MLP, biases on attention and MLP.
+    "jais2": dict(head_dim=32),
+    # OLMo: LayerNorm without parameters; q/k/v clamped in place to +-clip_qkv (set
+    # to clip part of them).
+    "olmo": dict(clip_qkv=1.0),
+    # OLMo 2: q/k RMSNorm over the whole projection width (all heads at once, not
+    # per head), norms after each sublayer instead of before.
+    "olmo2": {},
+    # OLMo 3: OLMo 2 with sliding layers (config default `layer_types`: sliding x3,
+    # then full).
+    "olmo3": dict(sliding_window=SLIDING_WINDOW),
+    # Phi: rotary on half of each head (`partial_rotary_factor` 0.5, its default),
+    # attention and MLP in parallel from one LayerNorm, biases everywhere, including
+    # the `lm_head`'s.
+    "phi": {},
+    # Seed-OSS: q/k/v biases without an o_proj bias; attention and residual dropout
+    # (0.1 by default: must be off at inference).
+    "seed_oss": dict(head_dim=32),
+    # SmolLM3: no rotary on every fourth layer (NoPE: layer 3 here), tied embeddings.
+    "smollm3": dict(tie_word_embeddings=True),
+    # Starcoder2: LayerNorm, non-gated MLP, biases everywhere, sliding window on every
+    # layer, tied embeddings.
+    "starcoder2": dict(sliding_window=SLIDING_WINDOW, tie_word_embeddings=True),
+    # VaultGemma: Gemma 2 without post-norms: alternating sliding/full layers,
+    # attention and final logit soft-capping, `query_pre_attn_scalar` scale, scaled
+    # tied embeddings. vLLM's CPU attention gives NaN once |q.k * scale| / softcap
+    # passes ~88.7 (exp overflows in its tanh): with Gemma2's cap of 4 this model
+    # reaches 38, so the cap is 10 (largest 15.6, kept under a quarter of the limit
+    # by test_default_routed.py), which still changes the output.
+    "vaultgemma": dict(
+        head_dim=32,
+        sliding_window=SLIDING_WINDOW,
+        query_pre_attn_scalar=48,
+        attn_logit_softcapping=10.0,
+        final_logit_softcapping=12.0,
+        tie_word_embeddings=True,
+    ),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 
@@ -188,6 +245,17 @@ INITS: dict[str, Init] = {
         head_scale=6.0,
         final_norm="model.decoder.final_layer_norm",
     ),
+    # Seed 0 only just clears MIN_MARGIN at the default head scale.
+    "glm": Init(head_scale=4.0),
+    # Tied embeddings: the logits are sharpened through the final norm.
+    "gpt_bigcode": Init(
+        std=0.2, embed_scale=0.25, head_scale=6.0, final_norm="transformer.ln_f"
+    ),
+    "smollm3": Init(head_scale=4.0, final_norm="model.norm"),
+    "starcoder2": Init(head_scale=4.0, final_norm="model.norm"),
+    # As Gemma2, but without post-norms the embeddings need more weight to give
+    # well-separated logits.
+    "vaultgemma": Init(std=0.4, perturb=1.0, embed_scale=0.4, head_scale=1.0),
 }
 
 MIN_MARGIN = 0.02
