@@ -99,6 +99,7 @@ def test_reference_is_well_separated(model_type):
     "model_type, change",
     [
         ("cwm", dict(sliding_window=tiny.MAX_MODEL_LEN)),
+        ("cwm", dict(rope_parameters=dict(rope_type="default", rope_theta=1e6))),
         ("olmo", dict(clip_qkv=None)),
         ("olmo3", dict(sliding_window=tiny.MAX_MODEL_LEN)),
         ("smollm3", dict(no_rope_layers=[1] * 4)),
@@ -110,6 +111,7 @@ def test_reference_is_well_separated(model_type):
     ],
     ids=[
         "cwm-window",
+        "cwm-llama3-rope",
         "olmo-clip-qkv",
         "olmo3-window",
         "smollm3-nope",

@@ -157,8 +157,10 @@ ARCHS: dict[str, dict[str, Any]] = {
     # --- dense architectures vLLM 0.32 routes to this backend by default ---
     # Arcee: Llama with a non-gated ReLU^2 MLP (up/down, no gate to fuse).
     "arcee": dict(head_dim=32),
-    # CWM: Llama with llama3 rope scaling (its default) and one full layer in four,
-    # the others sliding (config default `layer_types`: full, sliding x3).
+    # CWM: Llama with llama3 rope scaling and one full layer in four, the others
+    # sliding (config default `layer_types`: full, sliding x3). Its default rope
+    # parameters still rescale the low frequencies here (Transformers warns that
+    # their original 8192 positions exceed `max_position_embeddings`).
     "cwm": dict(head_dim=32, sliding_window=SLIDING_WINDOW),
     # GLM: rotary on half of each head, interleaved; q/k/v biases; packed
     # `gate_up_proj`.
