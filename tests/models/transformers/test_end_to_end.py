@@ -17,7 +17,6 @@ that greedy choices are well separated, and that the features each tiny model is
 to exercise (sliding window, soft-capping, the Gemma2 scale) change its output.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,42 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
 from tiny import cached_reference as reference  # noqa: E402
 from tiny import checkpoint, compare, report  # noqa: E402
+from tiny import shared_engine as engine  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "opt", "phi3", "gpt_neox"]
 
 LOGPROB_ATOL = tiny.LOGPROB_ATOL
 
-IMPLS = {
-    "project": dict(model_impl="transformers", backend="project"),
-    "stock": dict(model_impl="transformers", backend="stock"),
-    "native": dict(model_impl="vllm", backend="project"),
-}
-E2E_IMPL = os.environ.get("E2E_IMPL", "project")
-if E2E_IMPL not in IMPLS:
-    raise ValueError(f"E2E_IMPL must be one of {sorted(IMPLS)}, got {E2E_IMPL!r}")
-
-
-_ENGINE_RUNS: dict[tuple, tiny.EngineRun | Exception] = {}
-
-
-def engine(model_type: str, impl: str, tensor_parallel_size: int = 1) -> tiny.EngineRun:
-    """One engine start per (model, implementation, TP), shared by the tests; a start
-    that failed is not retried (its error is raised again)."""
-    key = (model_type, impl, tensor_parallel_size)
-    if key not in _ENGINE_RUNS:
-        try:
-            _ENGINE_RUNS[key] = tiny.run_engine(
-                checkpoint(model_type),
-                tensor_parallel_size=tensor_parallel_size,
-                probe=True,
-                **IMPLS[impl],
-            )
-        except Exception as e:
-            _ENGINE_RUNS[key] = e
-    run = _ENGINE_RUNS[key]
-    if isinstance(run, Exception):
-        raise RuntimeError(f"engine {key} failed to run (see its first test)") from run
-    return run
+IMPLS = tiny.IMPLS
+E2E_IMPL = tiny.e2e_impl()
 
 
 # --- the references themselves (no engine) ---------------------------------------------
@@ -81,15 +52,7 @@ def test_reference_is_well_separated(model_type):
 
 def _changes_output(model_type: str, **config_changes) -> bool:
     changed = tiny.reference(checkpoint(model_type), **config_changes)
-    base = reference(model_type)
-    if any(a.token_ids != b.token_ids for a, b in zip(base, changed)):
-        return True
-    gap = max(
-        abs(x - y)
-        for a, b in zip(base, changed)
-        for x, y in zip(a.logprobs, b.logprobs)
-    )
-    return gap > 100 * LOGPROB_ATOL
+    return tiny.differs(reference(model_type), changed)
 
 
 @pytest.mark.parametrize(
@@ -113,6 +76,34 @@ def test_feature_changes_output(model_type, change):
     """The tiny models exercise what they are meant to: without the feature, the
     reference output moves far beyond the tolerance."""
     assert _changes_output(model_type, **change)
+
+
+def test_engine_failure_shows_first_traceback():
+    """A failed engine run names its root cause: the first traceback in the log,
+    through its exception line, in the prefix of the process that raised it, not
+    the tracebacks that it set off in the other processes."""
+    worker = "(EngineCore_DP0 pid=7) "
+    log = "\n".join(
+        [
+            "INFO starting",
+            f"{worker}ERROR Worker failed",
+            f"{worker}Traceback (most recent call last):",
+            f'{worker}  File "base.py", line 1, in build',
+            "INFO interleaved line from the main process",
+            f"{worker}    raise ValueError('root cause')",
+            f"{worker}ValueError: root cause",
+            f"{worker}more log",
+            "Traceback (most recent call last):",
+            '  File "llm.py", line 2, in __init__',
+            "RuntimeError: Engine core initialization failed.",
+        ]
+    )
+    first = tiny.first_traceback(log)
+    assert first is not None
+    assert first.splitlines()[0] == f"{worker}Traceback (most recent call last):"
+    assert first.splitlines()[-1] == f"{worker}ValueError: root cause"
+    assert "interleaved" not in first and "Engine core" not in first
+    assert tiny.first_traceback("INFO all fine") is None
 
 
 # --- the engine ---------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from vllm.model_executor.models.transformers.base import Base
 
 import tiny
 from configs import small_config
-from test_end_to_end import E2E_IMPL, IMPLS
 from tiny import checkpoint, compare, report
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -144,6 +143,7 @@ def test_adapter_changes_the_output_and_stays_well_separated(adapter):
 @pytest.mark.engine
 def test_adapter_matches_transformers_with_peft(adapter):
     """Greedy tokens equal Transformers + PEFT's; logprobs agree."""
-    run = tiny.run_engine(checkpoint("llama"), lora=adapter.path, **IMPLS[E2E_IMPL])
+    impl = tiny.e2e_impl()
+    run = tiny.run_engine(checkpoint("llama"), lora=adapter.path, **tiny.IMPLS[impl])
     gap = compare(adapter.reference, run.completions)
-    report(f"llama + LoRA ({E2E_IMPL}) vs Transformers + PEFT", run, gap)
+    report(f"llama + LoRA ({impl}) vs Transformers + PEFT", run, gap)
