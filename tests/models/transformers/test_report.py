@@ -12,6 +12,7 @@ from configs import small_config
 
 from vllm.model_executor.models.transformers.report import (
     build_report,
+    causes,
     load_config,
 )
 
@@ -67,6 +68,34 @@ def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runt
     assert not report.servable
     assert "VLLM_TRANSFORMERS_BACKEND=stock" in report.reason
     assert len(report.attention) == 2
+
+
+def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
+    reports = {
+        model_type: build_report(small_config(model_type, **changes), model_type)
+        for model_type, changes in [
+            ("bloom", dict(n_layer=2, n_head=4, hidden_size=128)),
+            ("codegen", dict(n_layer=2, n_head=4, n_embd=128)),
+            ("mixtral", dict(num_local_experts=4)),
+            ("llama", {}),
+        ]
+    }
+    rows = [
+        dict(
+            model_type=name,
+            built=True,
+            servable=r.servable,
+            attention=len(r.attention) == r.num_layers,
+            reason=r.reason,
+        )
+        for name, r in reports.items()
+    ]
+    grouped = causes(rows)
+    assert list(grouped.values()) == [["bloom", "codegen"], ["mixtral"]]
+    interface, moe = grouped
+    assert interface.startswith("No module in it calls the Transformers attention")
+    assert "Bloom" not in interface and "CodeGen" not in interface
+    assert moe.startswith("mixture-of-experts models are not supported")
 
 
 def test_command_prints_json_and_plain_text(tmp_path):

@@ -195,6 +195,13 @@ def test_sinks_from_s_aux_are_honoured():
     assert _needs(module).sinks == "sinks"
 
 
+def test_an_instance_whose_sinks_are_none_gets_none():
+    # MiMo-V2-Flash: sinks on its sliding layers only, `None` on the others.
+    cls = _calling("s_aux=self.sinks")
+    with_sinks, without = cls(sinks=nn.Parameter(torch.zeros(4))), cls(sinks=None)
+    assert (_needs(with_sinks).sinks, _needs(without).sinks) == ("sinks", None)
+
+
 def test_s_aux_that_is_not_a_parameter_is_refused_naming_layer_and_argument():
     cls = _calling("s_aux=q.new_zeros(4)")
     with pytest.raises(ValueError, match=r"Calling \(layer 3, .*\) passes s_aux="):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
+from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -328,6 +329,23 @@ def test_norms_over_all_heads_keep_the_fusion_off_under_tensor_parallelism(
     assert fuser.validate(attention, vllm_config)
     monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
     assert not fuser.validate(attention, vllm_config)
+
+
+def test_bert_projections_fuse_without_an_output_projection_of_their_own(
+    equivalent, vllm_config, monkeypatch
+):
+    # BERT's output projection is a sibling's (`BertSelfOutput.dense`).
+    config = AutoConfig.for_model("bert", hidden_size=HIDDEN, num_attention_heads=4)
+    config._attn_implementation = "sdpa"
+    fused, applied = equivalent(BertSelfAttention(config), tokens())
+    assert [type(f).__name__ for f in applied] == ["QKVFuser"]
+    assert applied[0].output_name == ""
+    assert isinstance(fused.query_key_value, QKVParallelLinear)
+    # Split over ranks, whatever reads the attention output would get a share of it.
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert "without an output projection" in applied[0].mismatch(
+        BertSelfAttention(config), vllm_config
+    )
 
 
 def test_each_instance_reads_its_own_head_layout():

@@ -254,6 +254,37 @@ def coverage_row(report: FusionReport) -> dict[str, object]:
     }
 
 
+_LOCATION_WORDS = {"Decoder", "layer", "N", "its", "attention"}
+
+
+def cause(reason: str) -> str:
+    """The model-independent part of a verdict's reason, so that model types failing
+    for one cause group together: file:line, module paths, class names and numbers
+    become placeholders, and sentences that only say where are skipped."""
+    text = re.sub(r"\S+\.py:\d+", "<file:line>", reason.splitlines()[0])
+    text = re.sub(r"\b(?:[A-Za-z_]\w*\.)+\d+(?:\.\w+)*", "<module>", text)
+    text = re.sub(r"<module> \(\w+\)", "<module> (<Class>)", text)
+    text = re.sub(r"\b(?!vLLM\b)[A-Za-z]\w*?[a-z0-9][A-Z]\w*", "<Class>", text)
+    text = re.sub(r"\b\d+\b", "N", text)
+    for sentence in re.split(r"(?<=\.)\s+", text):
+        words = set(re.findall(r"[A-Za-z]+", re.sub(r"<[^>]*>", "", sentence)))
+        if words - _LOCATION_WORDS:
+            sentence = re.sub(r"^<Class>(?: \(layer N, <file:line>\))?:? ", "", sentence)
+            # The list of what vLLM honours is the same in every such reason.
+            return re.sub(r"\s*\(it honours [^)]*\)", "", sentence).rstrip(".;")
+    return text
+
+
+def causes(rows: list[dict[str, object]]) -> dict[str, list[str]]:
+    """Model types built but not served, grouped by `cause`, largest group first."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("built") and not (row.get("servable") and row.get("attention")):
+            reason = str(row.get("reason") or "attention missing in some layer")
+            groups.setdefault(cause(reason), []).append(str(row["model_type"]))
+    return dict(sorted(groups.items(), key=lambda group: -len(group[1])))
+
+
 def run_all(as_json: bool, style: Style) -> None:
     rows = []
     started = time.perf_counter()
@@ -278,8 +309,13 @@ def run_all(as_json: bool, style: Style) -> None:
     summary = f"{len(rows)} causal-LM model types in {elapsed:.0f} s: " + ", ".join(
         f"{c} {totals[c]}" for c in columns
     )
+    grouped_causes = causes(rows)
     if as_json:
-        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        print(
+            json.dumps(
+                {"rows": rows, "causes": grouped_causes, "summary": summary}, indent=1
+            )
+        )
         return
     print(style.head(f"{'model_type':<28}" + "".join(f"{c:>10}" for c in columns)))
     for row in rows:
@@ -288,6 +324,10 @@ def run_all(as_json: bool, style: Style) -> None:
             for c in columns
         )
         print(f"{row['model_type']:<28}{marks}")
+    unserved = sum(len(types) for types in grouped_causes.values())
+    print(style.head(f"\nBuilt but not fully served ({unserved}), by cause:"))
+    for reason, types in grouped_causes.items():
+        print(f"{len(types):>4}  {reason}\n      {style.bad(', '.join(types))}")
     print(style.head(summary))
 
 

@@ -414,16 +414,21 @@ class AttentionFuser(BaseFuser):
         sinks = None
         if "s_aux" in self.arguments:
             expression = self.arguments["s_aux"]
-            if not (
-                is_self_attribute(expression)
-                and isinstance(getattr(module, expression.attr, None), torch.Tensor)
-            ):
+            held = (
+                getattr(module, expression.attr, None)
+                if is_self_attribute(expression)
+                else expression
+            )
+            # `None` on this instance: a layer without sinks (MiMo-V2-Flash's full
+            # attention layers) beside ones that have them.
+            if isinstance(held, torch.Tensor):
+                sinks = expression.attr
+            elif held is not None:
                 raise ValueError(
                     f"{self.describe(module)} passes s_aux={ast.unparse(expression)}; "
                     "vLLM's attention takes sinks only from a parameter of the module "
                     "(`s_aux=self.<parameter>`)."
                 )
-            sinks = expression.attr
         causal = True
         if "is_causal" in self.arguments:
             value = self._argument(module, "is_causal")

@@ -189,6 +189,8 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
                 f"{layout.num_heads}",
             )
         output = output_projection(graph, module)
+        if output is None:
+            return cls.decline(module, "no single linear projects the attention output")
         if isinstance(output, str):
             return cls.decline(module, output)
         return cls(

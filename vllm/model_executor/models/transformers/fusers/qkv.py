@@ -95,11 +95,12 @@ class PerInstanceHeads:
         return None
 
 
-def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str:
-    """The one linear applied to the attention output, or why there is none."""
+def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str | None:
+    """The one linear applied to the attention output; `None` when the module has
+    none (the output leaves it), or why the one it has cannot be used."""
     output = fx_utils.linear_fed_by(fx_utils.attention_node(graph), module)
     if output is None:
-        return "no single linear projects the attention output"
+        return None
     if "." in output.target:
         return f"the output projection {output.target} is not a direct child"
     return output
@@ -217,6 +218,8 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         if head_size_attribute is None:
             return cls.decline(module, f"no attribute holds the head size {head_size}")
         output = output_projection(graph, module)
+        # BERT-style: the output projection is a sibling's (`BertSelfOutput.dense`);
+        # the fusion stands alone, whole on one rank (see `mismatch`).
         if isinstance(output, str):
             return cls.decline(module, output)
         whole_width_norms = tuple(
@@ -228,7 +231,7 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         return cls(
             fused_name=rewriting.merged_name(names, module),
             shards=dict(zip(names, "qkv")),
-            output_name=output.target,
+            output_name="" if output is None else output.target,
             head_size_attribute=head_size_attribute,
             call_spans={n.target: n.meta.get("span") for n in (q, k, v)},
             whole_width_norms=whole_width_norms,
@@ -240,13 +243,17 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
-        if (
-            self.whole_width_norms
-            and vllm_config.parallel_config.tensor_parallel_size > 1
-        ):
+        sharded = vllm_config.parallel_config.tensor_parallel_size > 1
+        if self.whole_width_norms and sharded:
             return (
                 f"{', '.join(self.whole_width_norms)} normalise all heads together, "
                 "which one rank's share of the heads cannot do"
+            )
+        if not self.output_name and sharded:
+            return (
+                "the attention output leaves the module without an output "
+                "projection, so whatever reads it would get one rank's share of "
+                "the heads"
             )
         projections = [getattr(module, name, None) for name in self.shards]
         if not all(isinstance(p, nn.Linear) for p in projections):
@@ -275,7 +282,10 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         for name in self.shards:
             delattr(module, name)
         setattr(module, self.fused_name, qkv)
-        row_parallel(module, self.output_name, prefix, vllm_config)
+        if self.output_name:
+            row_parallel(module, self.output_name, prefix, vllm_config)
 
     def info(self, name: str, module: nn.Module) -> str:
+        if not self.output_name:
+            return super().info(name, module)
         return f"{super().info(name, module)}; {self.output_name} -> RowParallelLinear"
