@@ -7,12 +7,14 @@ import ast
 import inspect
 import types
 
+import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+from transformers.pytorch_utils import Conv1D
 
 from configs import small_config
 
@@ -63,6 +65,27 @@ def test_a_forward_it_cannot_finish_gives_what_was_reached():
     assert not traced.complete and "control flow" in traced.stopped
     assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["first"]
     assert fx_utils.returned(traced.graph) is None
+
+
+class OptionalBranch(nn.Module):
+    """GPT-2's attention: a branch for an optional input the module cannot serve."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = Conv1D(12, 8)
+
+    def forward(self, x, encoder_states: torch.Tensor | None = None):
+        if encoder_states is not None:
+            raise ValueError("built without cross-attention")
+        return self.proj(x)
+
+
+def test_a_trace_stopped_by_an_optional_input_is_retried_without_it():
+    traced = trace(OptionalBranch())
+    assert traced.complete
+    # A Conv1D is a linear whose output width is its `nf`.
+    assert fx_utils.value(fx_utils.returned(traced.graph)).shape[-1] == 12
+    assert fx_utils.is_linear(fx_utils.returned(traced.graph), OptionalBranch())
 
 
 def test_the_attention_interface_call_is_one_opaque_node():

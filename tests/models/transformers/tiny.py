@@ -174,6 +174,14 @@ ARCHS: dict[str, dict[str, Any]] = {
         multi_query=True,
         tie_word_embeddings=True,
     ),
+    # GPT-2: Conv1D linears (weights stored [in, out]), q/k/v packed in `c_attn`,
+    # learned positions, LayerNorm, biases everywhere, tied embeddings.
+    "gpt2": dict(
+        n_inner=256,
+        intermediate_size=None,
+        num_key_value_heads=None,
+        tie_word_embeddings=True,
+    ),
     # HunYuan dense: q/k RMSNorm per head, applied after the rotary embedding.
     "hunyuan_v1_dense": dict(head_dim=32),
     # Jais2: LayerNorm, a non-gated ReLU^2 MLP, biases on attention and MLP.
@@ -251,6 +259,9 @@ INITS: dict[str, Init] = {
     "glm": Init(head_scale=4.0),
     # Tied embeddings: the logits are sharpened through the final norm.
     "gpt_bigcode": Init(
+        std=0.2, embed_scale=0.25, head_scale=6.0, final_norm="transformer.ln_f"
+    ),
+    "gpt2": Init(
         std=0.2, embed_scale=0.25, head_scale=6.0, final_norm="transformer.ln_f"
     ),
     "smollm3": Init(head_scale=4.0, final_norm="model.norm"),

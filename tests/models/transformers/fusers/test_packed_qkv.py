@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""PackedQKVFuser: a packed projection split into q, k, v -> QKVParallelLinear."""
+"""PackedQKVFuser: a packed projection split into q, k, v -> QKVParallelLinear
+(an `nn.Linear`, or GPT-2's `Conv1D` whose weight loads transposed)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeAttention
 from transformers.models.phi3.modeling_phi3 import Phi3Attention
+from transformers.pytorch_utils import Conv1D
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models.transformers.fuser import get_fuser
@@ -173,3 +176,66 @@ def test_gpt_bigcode_per_head_packing_is_declined(declined):
     )
     assert get_fuser(GPTBigCodeAttention(config, layer_idx=0), PackedQKVFuser) is None
     assert any("interleaved per head" in r for r in declined(PackedQKVFuser))
+
+
+# --- GPT-2: the packed projection is a Conv1D (weight stored [in, out]) ----------------
+
+
+def gpt2_config(**overrides):
+    config = AutoConfig.for_model(
+        "gpt2", n_embd=HIDDEN, n_head=HEADS, n_inner=4 * HIDDEN, **overrides
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gpt2_conv1d_c_attn_becomes_qkv_parallel_linear(dtype, equivalent):
+    fused, applied = equivalent(
+        GPT2Attention(gpt2_config(), layer_idx=0), tokens().to(dtype), dtype=dtype
+    )
+    assert [type(f) for f in applied] == [PackedQKVFuser]
+    assert isinstance(fused.c_attn, QKVParallelLinear)
+    assert fused.c_attn.total_num_heads == fused.c_attn.total_num_kv_heads == HEADS
+    assert isinstance(fused.c_proj, RowParallelLinear)
+
+
+def test_gpt2_conv1d_weight_loads_transposed_bias_as_is(fuse):
+    module = GPT2Attention(gpt2_config(), layer_idx=0)
+    with torch.no_grad():
+        module.c_attn.bias.normal_()  # zeros from Conv1D's init would hide a mix-up
+    weight, bias = (p.detach().clone() for p in module.c_attn.parameters())
+    fused, (fuser,) = fuse(module)
+    assert fuser.packed_modules_mapping == {"c_attn": ["c_attn"]}
+    # Conv1D stores [in, out]; vLLM's layer holds [out, in] (not repacked: only the
+    # CPU GEMM's own layers are, and process_weights_after_loading keeps the values).
+    torch.testing.assert_close(fused.c_attn.bias.data, bias)
+    x = tokens()
+    torch.testing.assert_close(fused.c_attn(x), x @ weight + bias, atol=1e-5, rtol=1e-5)
+
+
+class Conv1DInterleavedPerHead(InterleavedPerHead):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = Conv1D(3 * Q, HIDDEN)
+        self.o_proj = Conv1D(HIDDEN, Q)
+
+
+class Conv1DKeyFirst(KeyFirst):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = Conv1D(Q + 2 * KV, HIDDEN)
+        self.o_proj = Conv1D(HIDDEN, Q)
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        (Conv1DInterleavedPerHead(), "goes through view before it is taken apart"),
+        (Conv1DKeyFirst(), "query is not the packed output's q part"),
+    ],
+    ids=["interleaved-per-head", "key-first"],
+)
+def test_conv1d_packings_it_cannot_prove_are_declined(module, reason, declined):
+    assert get_fuser(module, PackedQKVFuser) is None
+    assert any(reason in r for r in declined(PackedQKVFuser)), declined(PackedQKVFuser)

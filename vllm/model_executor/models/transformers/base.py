@@ -47,6 +47,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
 from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
     decoder_layers,
     drop_other_stages,
@@ -299,7 +300,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
                         for original in originals
                     }
                     sites.append(AttentionSite(qualname, new, needs, packed))
-                if type(new) is nn.Linear:
+                if type(new) in HF_LINEARS:
                     style = tp_style(rel, plan)
                     new = replace_linear_class(
                         new, style or "replicate", self.quant_config, prefix=qualname

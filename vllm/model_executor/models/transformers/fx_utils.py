@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers.tracing import (
     UNKNOWN,
     attention_call,
@@ -43,7 +44,7 @@ def submodule(node: object, module: nn.Module) -> nn.Module | None:
 
 
 def is_linear(node: object, module: nn.Module) -> bool:
-    return isinstance(submodule(node, module), nn.Linear)
+    return linears.is_linear(submodule(node, module))
 
 
 def is_linear_on_input(node: object, module: nn.Module) -> bool:
@@ -155,5 +156,5 @@ def single_user(node: fx.Node) -> fx.Node | None:
 
 def linear_children(module: nn.Module) -> int:
     """How many direct children of `module` are linears (a cheap pre-check)."""
-    return sum(isinstance(child, nn.Linear) for child in module.children())
+    return sum(linears.is_linear(child) for child in module.children())
 

@@ -121,6 +121,7 @@ class CheckpointLayout:
         naming it, unless `unneeded` says why it is not needed (logged once per
         reason). vLLM's loader then fails on any parameter left unfilled."""
         copies = copies or {}
+        mapper = self.mapper()
         loadable = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         elsewhere = tuple(
             f"{name}."
@@ -136,7 +137,10 @@ class CheckpointLayout:
 
         def needed(raw: Iterable[tuple[str, torch.Tensor]]):
             for name, tensor in raw:
-                if (reason := self.unneeded(name)) is not None:
+                # Ignore patterns are loose (GPT-2's "attn.bias", a regex, also finds
+                # `c_attn.bias`): like Transformers, skip only what nothing consumes.
+                reason = self.unneeded(name)
+                if reason is not None and mapper.map_name(name) not in loadable:
                     skip(reason, name)
                     continue
                 yield name, tensor
@@ -159,5 +163,5 @@ class CheckpointLayout:
                     yield copies[name], tensor
 
         return AutoWeightsLoader(model).load_weights(
-            checked(self.mapper().apply(needed(weights)))
+            checked(mapper.apply(needed(weights)))
         )

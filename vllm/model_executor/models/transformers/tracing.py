@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from vllm.logger import init_logger
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers.rewriting import Span
 
 logger = init_logger(__name__)
@@ -138,7 +139,9 @@ def _probe_width(module: nn.Module) -> int:
     its 1-D weights."""
     if isinstance(getattr(module, "in_features", None), int):
         return module.in_features
-    widths = [c.in_features for c in module.children() if isinstance(c, nn.Linear)]
+    widths = [
+        linears.in_features(c) for c in module.children() if linears.is_linear(c)
+    ]
     if not widths:
         widths = [p.shape[0] for p in module.parameters() if p.ndim == 1]
     return max(widths, key=widths.count) if widths else _DEFAULT_WIDTH
@@ -169,9 +172,10 @@ def executing_span(code: types.CodeType) -> Span | None:
 class _DataflowTracer(fx.Tracer):
     """Children are leaves; values carry meta tensors and forward source spans."""
 
-    def __init__(self, root: nn.Module):
+    def __init__(self, root: nn.Module, optional_as_none: bool = False):
         super().__init__()
         self.forward_code = inspect.unwrap(type(root).forward).__code__
+        self.optional_as_none = optional_as_none
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
@@ -190,7 +194,8 @@ class _DataflowTracer(fx.Tracer):
 
         The first input is a probe tensor `(batch, tokens, width)`. An input with a
         non-`None` default gets it (flags such as `use_cache=False`); an input
-        defaulting to `None` whose annotation names no tensor (a cache) gets `None`;
+        defaulting to `None` whose annotation names no tensor (a cache) gets `None`,
+        and so does every input defaulting to `None` under `optional_as_none`;
         `*args` and `**kwargs` are empty."""
         signature = inspect.signature(inspect.unwrap(root_fn))
         parameters = list(signature.parameters.values())[1:]
@@ -209,6 +214,7 @@ class _DataflowTracer(fx.Tracer):
             elif parameter.default is not parameter.empty and (
                 parameter.default is not None
                 or "Tensor" not in str(parameter.annotation)
+                or self.optional_as_none
             ):
                 value = parameter.default
             else:
@@ -320,9 +326,11 @@ def _run_leaf(module: nn.Module, args: tuple) -> object:
     tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if tensor is None:
         return UNKNOWN
-    if isinstance(module, nn.Linear):
+    if linears.is_linear(module):
         return torch.empty(
-            (*tensor.shape[:-1], module.out_features), dtype=tensor.dtype, device="meta"
+            (*tensor.shape[:-1], linears.out_features(module)),
+            dtype=tensor.dtype,
+            device="meta",
         )
     parameters = list(module.parameters())
     if any(True for _ in module.children()) or any(p.ndim != 1 for p in parameters):
@@ -346,8 +354,22 @@ def _opaque_attention(namespace: dict[str, Any]) -> Iterator[None]:
 
 
 def trace(module: nn.Module) -> Traced:
-    """Trace `module.forward` as far as it goes, keeping child modules as leaves."""
-    tracer = _DataflowTracer(module)
+    """Trace `module.forward` as far as it goes, keeping child modules as leaves.
+
+    A trace that stops early is tried again with every optional input at its default
+    `None`, and that one is kept if it reaches the end: an optional tensor the caller
+    never passes can steer the forward into a branch that never runs (GPT-2's
+    attention takes its cross-attention branch when `encoder_hidden_states` is a
+    tensor, and fails there on a module built without one)."""
+    traced = _trace(module, optional_as_none=False)
+    if traced.complete:
+        return traced
+    retried = _trace(module, optional_as_none=True)
+    return retried if retried.complete else traced
+
+
+def _trace(module: nn.Module, optional_as_none: bool) -> Traced:
+    tracer = _DataflowTracer(module, optional_as_none)
     forward_globals = inspect.unwrap(type(module).forward).__globals__
     try:
         with _opaque_attention(forward_globals):

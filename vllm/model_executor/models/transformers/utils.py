@@ -20,6 +20,7 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.utils import maybe_prefix
 
 if TYPE_CHECKING:
@@ -42,27 +43,29 @@ _LINEAR_STYLES: dict[str, tuple[type[nn.Module], dict[str, bool]]] = {
 
 
 def replace_linear_class(
-    linear: nn.Linear,
+    linear: nn.Module,
     style: Style = "replicate",
     quant_config: "QuantizationConfig | None" = None,
     *,
     prefix: str = "",
 ) -> ColumnParallelLinear | RowParallelLinear | ReplicatedLinear:
-    """The vLLM linear that stands in for `linear` under tensor-parallel `style`.
+    """The vLLM linear that stands in for `linear` (an `nn.Linear`, or a `Conv1D`
+    whose checkpoint weight it loads transposed) under tensor-parallel `style`.
 
     A style vLLM has no linear for is served replicated, which is always correct."""
     if not isinstance(style, str):
         raise ValueError(f"Tensor parallel style must be a str, got {type(style)}")
     linear_cls, extra = _LINEAR_STYLES.get(style, _LINEAR_STYLES["replicate"])
-    return linear_cls(
-        input_size=linear.in_features,
-        output_size=linear.out_features,
+    layer = linear_cls(
+        input_size=linears.in_features(linear),
+        output_size=linears.out_features(linear),
         bias=linear.bias is not None,
         quant_config=quant_config,
         prefix=prefix,
         return_bias=False,
         **extra,
     )
+    return linears.load_as_stored(layer, linear, prefix)
 
 
 def recursive_replace_linear(

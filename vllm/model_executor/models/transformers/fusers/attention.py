@@ -10,6 +10,7 @@ import torch
 from torch import fx, nn
 
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers.fusers.base import (
     AttentionNeeds,
     BaseFuser,
@@ -467,10 +468,10 @@ class AttentionFuser(BaseFuser):
         )
         for role, name, width in zip("qkv", names, expected):
             linear = getattr(module, name, None)
-            if isinstance(linear, nn.Linear) and linear.out_features != width:
+            if linears.is_linear(linear) and linears.out_features(linear) != width:
                 raise ValueError(
                     f"{self.describe(module)}: {name} computes the {role} "
-                    f"{linear.out_features} wide, but the module's heads say {width} "
+                    f"{linears.out_features(linear)} wide, but the module's heads say {width} "
                     f"({num_heads} query / {num_kv_heads} key-value heads of "
                     f"{head_size}); vLLM's attention would be built wrong."
                 )

@@ -12,6 +12,7 @@ from torch import fx, nn
 from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
@@ -174,7 +175,7 @@ class GLUFuser(StackedFuser):
                 module, "the gate, up or activation output is used elsewhere"
             )
         gate_mod, up_mod = (module.get_submodule(name) for name in names)
-        if gate_mod.out_features != up_mod.out_features:
+        if linears.out_features(gate_mod) != linears.out_features(up_mod):
             return cls.decline(module, f"{gate.target} and {up.target} differ in width")
         if (gate_mod.bias is None) != (up_mod.bias is None):
             return cls.decline(
@@ -209,9 +210,12 @@ class GLUFuser(StackedFuser):
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         gate, up = (getattr(module, name, None) for name in self.shards)
-        if not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
+        if not linears.is_linear(gate) or not linears.is_linear(up):
             return f"{' and '.join(self.shards)} are not both linears in this instance"
-        if gate.out_features != up.out_features or gate.in_features != up.in_features:
+        if linears.stores_transposed(gate) != linears.stores_transposed(up):
+            return f"only one of {' and '.join(self.shards)} stores its weight transposed"
+        shapes = {(linears.in_features(m), linears.out_features(m)) for m in (gate, up)}
+        if len(shapes) != 1:
             return f"{' and '.join(self.shards)} differ in shape in this instance"
         if (gate.bias is None) != (up.bias is None):
             return f"only one of {' and '.join(self.shards)} has a bias"
@@ -260,17 +264,18 @@ class GLUFuser(StackedFuser):
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
     ) -> None:
         gate, up = (getattr(module, name) for name in self.shards)
+        name = f"{prefix}.{self.fused_name}"
         merged = MergedColumnParallelLinear(
-            input_size=gate.in_features,
-            output_sizes=[gate.out_features, up.out_features],
+            input_size=linears.in_features(gate),
+            output_sizes=[linears.out_features(gate), linears.out_features(up)],
             bias=gate.bias is not None,
             quant_config=vllm_config.quant_config,
-            prefix=f"{prefix}.{self.fused_name}",
+            prefix=name,
             return_bias=False,
         )
-        for name in self.shards:
-            delattr(module, name)
-        setattr(module, self.fused_name, merged)
+        for shard in self.shards:
+            delattr(module, shard)
+        setattr(module, self.fused_name, linears.load_as_stored(merged, gate, name))
         setattr(module, self.activation_name, get_act_and_mul_fn(self.activation))
         row_parallel(module, self.down_name, prefix, vllm_config)
 

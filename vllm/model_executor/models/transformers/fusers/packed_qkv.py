@@ -10,6 +10,7 @@ import torch
 from torch import fx, nn
 
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
@@ -148,10 +149,10 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
         if graph is None or (roles := attention_roles(graph)) is None:
             return None
-        linears = {fx_utils.linear_feeding(role, module) for role in roles}
-        if len(linears) != 1 or None in linears:
+        sources = {fx_utils.linear_feeding(role, module) for role in roles}
+        if len(sources) != 1 or None in sources:
             return None
-        (packed,) = linears
+        (packed,) = sources
         if reason := called_once(graph, [packed.target]):
             return cls.decline(module, reason)
         found = packed_parts(packed)
@@ -206,9 +207,8 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
         width split evenly between keys and values."""
         head_size = resolve(module, self.head_size_attribute)
         q_size = resolve(module, self.num_heads_attribute) * head_size
-        kv_size, odd = divmod(
-            getattr(module, self.packed_name).out_features - q_size, 2
-        )
+        packed = getattr(module, self.packed_name)
+        kv_size, odd = divmod(linears.out_features(packed) - q_size, 2)
         if odd:
             raise FusionDeclined("the packed width leaves keys and values unequal")
         return HeadLayout.of(q_size, kv_size, kv_size, head_size)
@@ -236,13 +236,11 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
     ) -> None:
         packed = getattr(module, self.packed_name)
+        name = f"{prefix}.{self.packed_name}"
         qkv = self.layout(module).qkv_linear(
-            packed.in_features,
-            packed.bias is not None,
-            f"{prefix}.{self.packed_name}",
-            vllm_config,
+            linears.in_features(packed), packed.bias is not None, name, vllm_config
         )
-        setattr(module, self.packed_name, qkv)
+        setattr(module, self.packed_name, linears.load_as_stored(qkv, packed, name))
         row_parallel(module, self.output_name, prefix, vllm_config)
 
     @property

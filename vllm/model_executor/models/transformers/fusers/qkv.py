@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from vllm.model_executor.layers.linear import QKVParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
@@ -178,14 +179,14 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
                     "attention call, so query, key and value cannot be told apart",
                 )
             return None
-        linears = [fx_utils.linear_feeding(role, module) for role in roles]
-        if all(linear is None for linear in linears) or len(set(linears)) == 1:
+        sources = [fx_utils.linear_feeding(role, module) for role in roles]
+        if all(linear is None for linear in sources) or len(set(sources)) == 1:
             return None  # nothing to stack, or one packed projection
-        if None in linears or len(set(linears)) != 3:
+        if None in sources or len(set(sources)) != 3:
             return cls.decline(
                 module, "query, key and value do not each come from their own linear"
             )
-        q, k, v = linears
+        q, k, v = sources
         names = [q.target, k.target, v.target]
         if reason := called_once(graph, names):
             return cls.decline(module, reason)
@@ -198,7 +199,7 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         if query is None or key is None or value is None:
             return cls.decline(module, "the head size at the attention call is unknown")
         head_size = query.shape[-1]
-        widths = [m.out_features for m in (q_mod, k_mod, v_mod)]
+        widths = [linears.out_features(m) for m in (q_mod, k_mod, v_mod)]
         try:
             HeadLayout.of(*widths, head_size)
         except FusionDeclined as reason:
@@ -239,7 +240,7 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
 
     def layout(self, module: nn.Module) -> HeadLayout:
         """This instance's heads: its head size attribute over its projections."""
-        q, k, v = (getattr(module, name).out_features for name in self.shards)
+        q, k, v = (linears.out_features(getattr(module, n)) for n in self.shards)
         return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
@@ -256,11 +257,13 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
                 "the heads"
             )
         projections = [getattr(module, name, None) for name in self.shards]
-        if not all(isinstance(p, nn.Linear) for p in projections):
+        if not all(linears.is_linear(p) for p in projections):
             return f"{', '.join(self.shards)} are not all linears in this instance"
+        if len({linears.stores_transposed(p) for p in projections}) != 1:
+            return f"only some of {', '.join(self.shards)} store their weight transposed"
         if len({p.bias is None for p in projections}) != 1:
             return "some of the projections have a bias in this instance, some not"
-        if {p.in_features for p in projections} != {projections[0].in_features}:
+        if len({linears.in_features(p) for p in projections}) != 1:
             return "the projections read inputs of different widths"
         return super().mismatch(module, vllm_config)
 
@@ -273,15 +276,13 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
     ) -> None:
         q = getattr(module, next(iter(self.shards)))
+        name = f"{prefix}.{self.fused_name}"
         qkv = self.layout(module).qkv_linear(
-            q.in_features,
-            q.bias is not None,
-            f"{prefix}.{self.fused_name}",
-            vllm_config,
+            linears.in_features(q), q.bias is not None, name, vllm_config
         )
-        for name in self.shards:
-            delattr(module, name)
-        setattr(module, self.fused_name, qkv)
+        for shard in self.shards:
+            delattr(module, shard)
+        setattr(module, self.fused_name, linears.load_as_stored(qkv, q, name))
         if self.output_name:
             row_parallel(module, self.output_name, prefix, vllm_config)
 
