@@ -104,8 +104,8 @@ class LogitsHead:
             if len(node.all_input_nodes) != 1:
                 raise _refuse(
                     model,
-                    f"its forward computes {_code(model, node)} from something other "
-                    "than its base model's hidden states",
+                    f"its forward computes {_code(model, node)}, which mixes in "
+                    "a tensor other than its base model's hidden states",
                 )
             chain.append(node)
             node = node.all_input_nodes[0]
