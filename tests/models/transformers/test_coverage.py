@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End to end on the CPU engine: architectures beyond vLLM's default routes to the
+Transformers backend (models vLLM has a native implementation for, served here with
+`model_impl="transformers"`) equal Transformers' own output.
+
+Same harness as `test_default_routed.py`: tiny float32 checkpoints (`tiny.py`, whose
+recipes say what each one exercises), greedy tokens equal to Transformers' `generate`,
+logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation) and
+`E2E_IMPL` to run vLLM's stock backend or native model instead.
+
+To add an architecture: a recipe in `tiny.ARCHS`, its name in `ARCHS` below, and in
+`FEATURES` what it exercises (each must change the reference, so the engine test can
+fail).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+from tiny import cached_reference as reference  # noqa: E402
+from tiny import checkpoint, compare, report  # noqa: E402
+
+ARCHS = [
+    "granite",
+]
+
+FEATURES = {
+    # The logits divided by `logits_scaling` in GraniteForCausalLM.forward.
+    "granite-logits-scaling": ("granite", dict(logits_scaling=1.0)),
+    "granite-embedding-multiplier": ("granite", dict(embedding_multiplier=1.0)),
+    "granite-residual-multiplier": ("granite", dict(residual_multiplier=1.0)),
+    "granite-attention-multiplier": ("granite", dict(attention_multiplier=32**-0.5)),
+}
+"""A feature of a recipe -> (model_type, the config change that turns it off)."""
+
+E2E_IMPL = tiny.e2e_impl()
+
+
+# --- the references themselves (no engine) ---------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_reference_is_well_separated(model_type):
+    """Greedy choices must not hinge on float32 noise."""
+    completions = reference(model_type)
+    margin = min(min(c.margins) for c in completions)
+    assert margin >= tiny.MIN_MARGIN, f"{model_type}: top-1/top-2 margin {margin:.3g}"
+    for c in completions:
+        assert len(c.token_ids) == tiny.MAX_TOKENS
+        assert all(lp < 0 for lp in c.logprobs)
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_feature_changes_output(feature):
+    """The tiny models exercise what they are meant to: without the feature, the
+    reference output moves far beyond the tolerance."""
+    model_type, change = FEATURES[feature]
+    changed = tiny.reference(checkpoint(model_type), **change)
+    assert tiny.differs(reference(model_type), changed)
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_matches_transformers(model_type):
+    """Greedy tokens equal Transformers' `generate`; logprobs agree."""
+    run = tiny.shared_engine(model_type, E2E_IMPL)
+    gap = compare(reference(model_type), run.completions)
+    report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
