@@ -3,6 +3,8 @@
 forward (`LogitsHead.of`), checked against what that forward computes, and the
 construction errors for heads it cannot reproduce."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -163,6 +165,33 @@ def test_a_head_it_cannot_reproduce_is_an_error(cls, model_type, code, why):
     assert "test_causal.py:" in message
     assert why in message
     assert "cannot serve" in message
+
+
+class Negated(LlamaForCausalLM):
+    def forward(self, input_ids=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden_states) * -1.0)
+
+
+class TupleOut(LlamaForCausalLM):
+    def forward(self, input_ids=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        return (self.lm_head(hidden_states),)
+
+
+@pytest.mark.parametrize(
+    "cls, why",
+    [
+        (Negated, "its logits are scaled by -1.0"),
+        (TupleOut, "its forward returns no `logits` tensor"),
+    ],
+)
+def test_a_head_it_cannot_read_is_an_error(cls, why):
+    """A negative scale (vLLM's greedy path refuses it) and logits it cannot find."""
+    with parameters_on_meta():
+        model = cls(small_config("llama"))
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: {re.escape(why)}"):
+        LogitsHead.of(model)
 
 
 def test_the_backend_takes_the_head_from_the_forward(build_backend):

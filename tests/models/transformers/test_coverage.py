@@ -40,7 +40,7 @@ FEATURES = {
 E2E_IMPL = tiny.e2e_impl()
 
 
-# --- the references themselves (no engine) ---------------------------------------------
+# --- the references themselves (no engine) --------------------------------------------
 
 
 @pytest.mark.parametrize("model_type", ARCHS)
@@ -63,7 +63,7 @@ def test_feature_changes_output(feature):
     assert tiny.differs(reference(model_type), changed)
 
 
-# --- the engine ---------------------------------------------------------------------------
+# --- the engine -----------------------------------------------------------------------
 
 
 @pytest.mark.engine
