@@ -1,34 +1,54 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End to end on the CPU engine: architectures beyond vLLM's default routes to the
-Transformers backend (served with `model_impl="transformers"`) equal Transformers'
-own output.
+Transformers backend (models vLLM has a native implementation for, served here with
+`model_impl="transformers"`) equal Transformers' own output.
 
 Same harness as `test_default_routed.py`: tiny float32 checkpoints (`tiny.py`, whose
 recipes say what each one exercises), greedy tokens equal to Transformers' `generate`,
-logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation, TP), and
-`E2E_IMPL` to run vLLM's stock backend or its native model instead.
+logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation, TP) and
+`E2E_IMPL` to run vLLM's stock backend or native model instead.
+
+To add an architecture: a recipe in `tiny.ARCHS`, its name in `ARCHS` below, and in
+`FEATURES` what it exercises (each must change the reference, so the engine test can
+fail).
 """
+
+import sys
+from pathlib import Path
 
 import pytest
 
-import tiny
-from tiny import cached_reference as reference
-from tiny import compare, report
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+from tiny import cached_reference as reference  # noqa: E402
+from tiny import checkpoint, compare, report  # noqa: E402
 
 ARCHS = [
     # Conv1D linears (weights stored transposed), q/k/v packed in one `c_attn`.
+    # vLLM's stock backend drops `c_attn.bias` and does not start.
     "gpt2",
+    # Logits divided by `logits_scaling`, and three other multipliers.
+    "granite",
 ]
 
 TENSOR_PARALLEL = ["gpt2"]
 """Packed q/k/v split per rank, the output projection row-parallel, the MLP
 replicated (GPT-2 has no tensor-parallel plan)."""
 
+FEATURES = {
+    # The logits divided by `logits_scaling` in GraniteForCausalLM.forward.
+    "granite-logits-scaling": ("granite", dict(logits_scaling=1.0)),
+    "granite-embedding-multiplier": ("granite", dict(embedding_multiplier=1.0)),
+    "granite-residual-multiplier": ("granite", dict(residual_multiplier=1.0)),
+    "granite-attention-multiplier": ("granite", dict(attention_multiplier=32**-0.5)),
+}
+"""A feature of a recipe -> (model_type, the config change that turns it off)."""
+
 E2E_IMPL = tiny.e2e_impl()
 
 
-# --- the references themselves (no engine) ---------------------------------------------
+# --- the references themselves (no engine) --------------------------------------------
 
 
 @pytest.mark.parametrize("model_type", ARCHS)
@@ -42,7 +62,16 @@ def test_reference_is_well_separated(model_type):
         assert all(lp < 0 for lp in c.logprobs)
 
 
-# --- the engine ---------------------------------------------------------------------------
+@pytest.mark.parametrize("feature", FEATURES)
+def test_feature_changes_output(feature):
+    """The tiny models exercise what they are meant to: without the feature, the
+    reference output moves far beyond the tolerance."""
+    model_type, change = FEATURES[feature]
+    changed = tiny.reference(checkpoint(model_type), **change)
+    assert tiny.differs(reference(model_type), changed)
+
+
+# --- the engine -----------------------------------------------------------------------
 
 
 @pytest.mark.engine

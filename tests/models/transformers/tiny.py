@@ -221,6 +221,17 @@ ARCHS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=12.0,
         tie_word_embeddings=True,
     ),
+    # --- beyond vLLM's default routes (test_coverage.py) ---
+    # Granite: Llama with four multipliers, all away from their default of 1: the
+    # input embeddings, each residual branch, the softmax scale (not head_dim**-0.5)
+    # and the logits, which its causal LM's forward divides by `logits_scaling`.
+    "granite": dict(
+        head_dim=32,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.125,
+        logits_scaling=4.0,
+    ),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 
@@ -269,6 +280,8 @@ INITS: dict[str, Init] = {
     # As Gemma2, but without post-norms the embeddings need more weight to give
     # well-separated logits.
     "vaultgemma": Init(std=0.4, perturb=1.0, embed_scale=0.4, head_scale=1.0),
+    # Its forward divides the logits by `logits_scaling` (4): sharpened 4x as much.
+    "granite": Init(head_scale=8.0),
 }
 
 MIN_MARGIN = 0.02

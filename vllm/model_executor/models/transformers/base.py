@@ -206,8 +206,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             ["hidden_states"], self.text_config.hidden_size
         )
 
-    def build(self, vllm_config: "VllmConfig", prefix: str) -> None:
-        """Build the HF model, then fuse it and attach attention (module docstring)."""
+    def build(self, vllm_config: "VllmConfig", prefix: str) -> PreTrainedModel:
+        """Build the HF model, then fuse it and attach attention (module docstring).
+        Returns the whole HF model, whose head the base does not keep."""
         hf_model = build_hf_model(vllm_config)
         self.model: PreTrainedModel = hf_model.base_model
         self.layout = CheckpointLayout.of(hf_model)
@@ -255,6 +256,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.report,
             {site.qualname: self.plan.why_not(site.module) for site in sites},
         )
+        return hf_model
 
     def apply(self, tp_plan: dict[str, str] | None) -> list[AttentionSite]:
         """Stage 3: apply each module's planned fusers through the fuser contract,

@@ -1,10 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Causal language models: the base plus vLLM's LM head and logits processor."""
+"""Causal language models: the base plus vLLM's LM head and logits processor.
 
+What the HF causal LM computes around its output embedding (Granite divides the
+logits by `logits_scaling`, Cohere multiplies them by `logit_scale`, Gemma 2 soft-caps
+them, MiniCPM3 scales the hidden states first) is read from a trace of its own
+`forward` (`LogitsHead.of`), not from config attribute names, and handed to vLLM's
+`LogitsProcessor` as its `scale` and `soft_cap`. Anything else there is a
+construction error."""
+
+import ast
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import fx, nn
+from transformers import PreTrainedModel
 
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -12,17 +23,150 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
+from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.rewriting import forward_source
+from vllm.model_executor.models.transformers.tracing import trace
 from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+_CASTS = frozenset({"float", "to", "type", "contiguous"})
+"""Methods that keep the values: the backend computes the logits in one dtype."""
+
+
+def _factor(node: fx.Node, on: fx.Node) -> float | None:
+    """The constant `node` multiplies `on` by (`on * c`, `c * on`, `on / c`)."""
+    name, args = fx_utils.op_name(node), node.args
+    if len(args) != 2 or node.kwargs:
+        return None
+    other = args[1] if args[0] is on else args[0]
+    if not isinstance(other, int | float) or isinstance(other, bool):
+        return None
+    if name == "mul":
+        return float(other)
+    if name in ("truediv", "div") and args[0] is on and other != 0:
+        return 1.0 / other
+    return None
+
+
+def _selects(node: fx.Node) -> bool:
+    """Whether `node` picks the hidden states of every token out of its input:
+    `.last_hidden_state`, `[0]`, or a slice keeping everything (`logits_to_keep=0`)."""
+    if node.target is getattr:
+        return node.args[1] == "last_hidden_state"
+    if fx_utils.op_name(node) != "getitem":
+        return False
+    index = node.args[1]
+    slices = index if isinstance(index, tuple) else (index,)
+    return index == 0 or all(
+        isinstance(s, slice)
+        and s.start in (None, 0)
+        and s.stop is None
+        and s.step in (None, 1)
+        for s in slices
+    )
+
+
+@dataclass(frozen=True)
+class LogitsHead:
+    """The logits a causal LM returns, as `scale * cap * tanh(head(h) / cap)` (no
+    tanh without a cap): what vLLM's `LogitsProcessor` computes."""
+
+    scale: float = 1.0
+    soft_cap: float | None = None
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> "LogitsHead":
+        """Read from `model.forward`'s trace: from the base model's hidden states
+        through the output embedding to the returned `logits`, the dataflow may only
+        select, cast, multiply or divide by constants (before a head without bias,
+        or after the head) and apply one `tanh` after the head."""
+        head = model.get_output_embeddings()
+        if head is None:
+            raise _refuse(model, "it has no output embedding")
+        traced = trace(model)
+        if not traced.complete:
+            raise _refuse(model, f"its forward cannot be traced ({traced.stopped})")
+        output = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+        logits = output.get("logits") if isinstance(output, dict) else None
+        if not isinstance(logits, fx.Node):
+            raise _refuse(model, "its forward returns no `logits` tensor")
+
+        base = set(model.base_model.modules())
+        chain: list[fx.Node] = []  # from the logits back to the base model's call
+        node = logits
+        while not (
+            fx_utils.submodule(node, model) in base
+            and all(n.op == "placeholder" for n in node.all_input_nodes)
+        ):
+            if len(node.all_input_nodes) != 1:
+                raise _refuse(
+                    model,
+                    f"its forward computes {_code(model, node)}, which mixes in "
+                    "a tensor other than its base model's hidden states",
+                )
+            chain.append(node)
+            node = node.all_input_nodes[0]
+
+        head_name = next(n for n, m in model.named_modules() if m is head)
+        has_bias = getattr(head, "bias", None) is not None
+        scale, soft_cap, after_head = 1.0, None, False
+        for node in reversed(chain):
+            (value,) = node.all_input_nodes
+            factor = _factor(node, value)
+            name = fx_utils.op_name(node)
+            if not after_head and fx_utils.submodule(node, model) is head:
+                after_head = True
+            elif factor is not None and (after_head or not has_bias):
+                # head(c * h) = c * head(h) for a head without bias.
+                scale *= factor
+            elif name == "tanh" and after_head and soft_cap is None:
+                # tanh(scale * x) = tanh(x / cap) for cap = 1 / scale, and the
+                # factor in front stays: tanh(x / cap) = (1 / cap) * cap * tanh(...).
+                soft_cap = 1.0 / scale
+            elif name not in _CASTS and (after_head or not _selects(node)):
+                where = "after" if after_head else "before"
+                bias = ", which has a bias" if factor is not None else ""
+                raise _refuse(
+                    model,
+                    f"its forward computes {_code(model, node)} {where} its output "
+                    f"embedding `{head_name}`{bias}",
+                )
+        if not after_head:
+            raise _refuse(model, "its logits do not come from its output embedding")
+        if scale <= 0 or (soft_cap is not None and soft_cap <= 0):
+            raise _refuse(
+                model,
+                f"its logits are scaled by {scale} (soft-cap {soft_cap}), and vLLM's "
+                "greedy and top-k paths refuse a factor that is not positive",
+            )
+        return cls(scale, soft_cap)
+
+
+def _refuse(model: nn.Module, why: str) -> ValueError:
+    return ValueError(
+        f"{type(model).__name__}: {why}. vLLM's logits processor can only multiply "
+        "the output embedding's logits by a constant and soft-cap them "
+        "(`cap * tanh(x / cap)`), so this backend cannot serve the model."
+    )
+
+
+def _code(model: nn.Module, node: fx.Node) -> str:
+    """The code of `model.forward` behind `node`: `` `expr` (file:line) ``."""
+    source = forward_source(type(model))
+    span = node.meta.get("span")
+    expression = source.expression_at(span) if source is not None else None
+    if expression is None:
+        return f"`{fx_utils.op_name(node) or node.target}`"
+    return f"`{ast.unparse(expression)}` ({source.filename}:{span[0]})"
+
 
 class CausalMixin(VllmModelForTextGeneration, Base):
     """Adds the LM head (tied to the input embedding when the config says so, with a
-    bias when the HF head has one) and the logits processor with the config's logit
-    scale and final soft-cap."""
+    bias when the HF head has one) and the logits processor with the scale and
+    soft-cap the HF head applies (`LogitsHead`)."""
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
         Base.__init__(self, vllm_config=vllm_config, prefix=prefix)
@@ -53,9 +197,15 @@ class CausalMixin(VllmModelForTextGeneration, Base):
         }
         self.logits_processor = LogitsProcessor(
             text_config.vocab_size,
-            scale=getattr(text_config, "logit_scale", 1.0),
-            soft_cap=getattr(text_config, "final_logit_softcapping", None),
+            scale=self.logits_head.scale,
+            soft_cap=self.logits_head.soft_cap,
         )
+
+    def build(self, vllm_config: "VllmConfig", prefix: str) -> PreTrainedModel:
+        hf_model = super().build(vllm_config, prefix)
+        # In `build`, so that a head the backend cannot reproduce fails the report too.
+        self.logits_head = LogitsHead.of(hf_model)
+        return hf_model
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         # An LM head with a bias (Phi) adds it to the logits.
