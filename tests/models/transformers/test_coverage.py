@@ -30,6 +30,9 @@ ARCHS = [
     "gpt2",
     # Logits divided by `logits_scaling`, and three other multipliers.
     "granite",
+    # Full layers without `v_proj` (the key is the value), wider heads and fewer
+    # key/value heads than the sliding ones.
+    "gemma4_text",
 ]
 
 TENSOR_PARALLEL = ["gpt2"]
@@ -42,6 +45,7 @@ FEATURES = {
     "granite-embedding-multiplier": ("granite", dict(embedding_multiplier=1.0)),
     "granite-residual-multiplier": ("granite", dict(residual_multiplier=1.0)),
     "granite-attention-multiplier": ("granite", dict(attention_multiplier=32**-0.5)),
+    "gemma4-window": ("gemma4_text", dict(sliding_window=tiny.MAX_MODEL_LEN)),
 }
 """A feature of a recipe -> (model_type, the config change that turns it off)."""
 
@@ -60,6 +64,22 @@ def test_reference_is_well_separated(model_type):
     for c in completions:
         assert len(c.token_ids) == tiny.MAX_TOKENS
         assert all(lp < 0 for lp in c.logprobs)
+
+
+def test_gemma4_full_layers_reuse_the_key_as_value_with_their_own_heads():
+    """The tiny Gemma 4 has what the fusion must handle: full layers without
+    `v_proj`, with wider heads and fewer key/value heads than the sliding ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(checkpoint("gemma4_text")), dtype=torch.float32
+    )
+    heads = [
+        (a.v_proj is None, a.head_dim, a.k_proj.out_features // a.head_dim)
+        for a in (layer.self_attn for layer in model.model.layers)
+    ]
+    assert heads == [(False, 32, 2), (True, 64, 1)] * 2
 
 
 @pytest.mark.parametrize("feature", FEATURES)

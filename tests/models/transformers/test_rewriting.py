@@ -60,10 +60,28 @@ def test_stacked_calls_become_one_call_and_a_split():
     source = ast.unparse(rewrite.tree)
     assert (
         "q_proj_out, k_proj_out, v_proj_out = self.qkv_proj(hidden_states)"
-        ".split(self.qkv_proj.output_partition_sizes, dim=-1)"
+        ".split(self.qkv_proj.output_partition_sizes[:3], dim=-1)"
     ) in source
     assert "query_states = q_proj_out.view(hidden_shape).transpose(1, 2)" in source
     assert "self.q_proj" not in source
+
+
+class Guarded(nn.Module):
+    def forward(self, x):
+        y = self.a(x) if self.a is not None else x
+        return y if self.b is None else self.b(y) if self.size is not None else y
+
+
+def test_existence_guards_are_those_of_called_children_and_fold():
+    rewrite = ForwardRewrite(Guarded)
+    guards = rewrite.existence_guards()
+    assert sorted(guards) == ["a", "b"]  # `self.size` is never called
+    rewrite.fold_guards(guards["a"], present=True)
+    rewrite.fold_guards(guards["b"], present=False)
+    source = ast.unparse(rewrite.tree)
+    assert "self.a(x) if True else x" in source
+    assert "y if True else" in source
+    assert "self.size is not None" in source
 
 
 class Base(nn.Module):

@@ -5,6 +5,7 @@ forward."""
 
 import ast
 import inspect
+import operator
 import types
 
 import torch
@@ -98,6 +99,27 @@ def test_the_attention_interface_call_is_one_opaque_node():
     assert not any(fx_utils.op_name(n) in ("matmul", "softmax") for n in graph.nodes)
     assert fx_utils.attention_node(graph) is calls[0]
     assert modeling_llama.ALL_ATTENTION_FUNCTIONS is ALL_ATTENTION_FUNCTIONS
+
+
+class StoresIntoInput(nn.Module):
+    """Writes into a dict it is passed (Gemma 4's `shared_kv_states`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, store):
+        y = self.first(x)
+        store["y"] = y
+        return self.second(y)
+
+
+def test_a_write_into_an_input_is_recorded_and_tracing_goes_on():
+    traced = trace(StoresIntoInput())
+    assert traced.complete, traced.stopped
+    (store,) = [n for n in traced.graph.nodes if n.target is operator.setitem]
+    assert store.args[1:] == ("y", by_target(traced.graph, "first"))
+    assert fx_utils.returned(traced.graph).target == "second"
 
 
 def test_modules_built_inside_forward_are_traced_through():

@@ -232,6 +232,19 @@ ARCHS: dict[str, dict[str, Any]] = {
         attention_multiplier=0.125,
         logits_scaling=4.0,
     ),
+    # Gemma 4 text: sliding layers with heads of 32 and v_proj, full layers with
+    # heads of 64, one KV head and no v_proj (`attention_k_eq_v`: the key is the
+    # value), proportional rotary on a quarter of the full heads, q/k/v norms,
+    # softmax scale 1. No per-layer input embeddings, no KV sharing.
+    "gemma4_text": dict(
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=0,
+    ),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 

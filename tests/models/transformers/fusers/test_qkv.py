@@ -14,7 +14,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
-from vllm.model_executor.models.transformers.fusers import QKVFuser
+from vllm.model_executor.models.transformers.fuser import key as registry_key
+from vllm.model_executor.models.transformers.fusers import AttentionFuser, QKVFuser
+from vllm.model_executor.models.transformers.fusers.qkv import HeadLayout
 
 HIDDEN, HEAD = 32, 8
 
@@ -358,3 +360,133 @@ def test_stands_beside_the_attention_fuser():
     config._attn_implementation = "vllm"
     names = [type(f).__name__ for f in get_fusers(LlamaAttention(config, layer_idx=0))]
     assert names == ["QKVFuser", "AttentionFuser"]
+
+
+# --- Gemma 4: layers without v_proj, where the key is also the value -------------------
+
+GEMMA4_HEADS = dict(sliding=(16, 2), full=(32, 1))
+"""Layer kind -> (head size, key/value heads): full layers have their own."""
+
+
+def gemma4_attention(layer_idx: int, implementation: str = "sdpa", **overrides):
+    """Layer 0 slides, with v_proj; layer 1 is full attention with wider heads and
+    no v_proj (`attention_k_eq_v`): the key is reused as the value. Both are the last
+    of their kind, so both write their key and value into `shared_kv_states`."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextAttention
+
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        hidden_size=HIDDEN * 2,
+        num_attention_heads=4,
+        num_key_value_heads=GEMMA4_HEADS["sliding"][1],
+        head_dim=GEMMA4_HEADS["sliding"][0],
+        global_head_dim=GEMMA4_HEADS["full"][0],
+        num_global_key_value_heads=GEMMA4_HEADS["full"][1],
+        attention_k_eq_v=True,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0,
+        **overrides,
+    )
+    config._attn_implementation = implementation
+    return Gemma4TextAttention(config, layer_idx)
+
+
+def gemma4_inputs(kind: str, dtype: torch.dtype = torch.float32) -> tuple:
+    head_size = GEMMA4_HEADS[kind][0]
+    cos, sin = tokens(dtype, head_size, seed=2), tokens(dtype, head_size, seed=3)
+    return tokens(dtype, HIDDEN * 2), (cos, sin), None, {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layer_idx, kind", [(0, "sliding"), (1, "full")])
+def test_gemma4_attention_with_and_without_v_proj_is_equivalent(
+    equivalent, dtype, layer_idx, kind
+):
+    fused, (fuser, *_) = equivalent(
+        gemma4_attention(layer_idx), *gemma4_inputs(kind, dtype), dtype=dtype
+    )
+    head_size, kv_heads = GEMMA4_HEADS[kind]
+    merged = getattr(fused, fuser.fused_name)
+    assert isinstance(merged, QKVParallelLinear)
+    assert (merged.head_size, merged.total_num_kv_heads) == (head_size, kv_heads)
+    assert not hasattr(fused, "q_proj") and not hasattr(fused, "k_proj")
+
+
+def test_gemma4_layers_with_and_without_v_proj_are_analysed_apart(vllm_config):
+    sliding, full = gemma4_attention(0), gemma4_attention(1)
+    assert isinstance(sliding.v_proj, nn.Linear) and full.v_proj is None
+    with_v, without_v = get_fuser(sliding, QKVFuser), get_fuser(full, QKVFuser)
+    assert with_v.shards == {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+    assert (with_v.fused_name, with_v.absent) == ("qkv_proj", ())
+    # The value is computed from k_proj: q and k stack, the key's part is the value.
+    assert without_v.shards == {"q_proj": "q", "k_proj": "k"}
+    assert (without_v.fused_name, without_v.absent) == ("qk_proj", ("v_proj",))
+    assert without_v.packed_modules_mapping == {"qk_proj": ["q_proj", "k_proj"]}
+    assert without_v.layout(full) == HeadLayout(32, 4, 1, 0)
+    assert with_v.validate(sliding, vllm_config)
+    assert without_v.validate(full, vllm_config)
+    fused = without_v.fuse(full, "self_attn", vllm_config)
+    assert without_v.info("self_attn", fused) == (
+        "Fused: q_proj + k_proj (self_attn: Gemma4TextAttention) -> qk_proj "
+        "(QKVParallelLinear) (the key is the value); o_proj -> RowParallelLinear"
+    )
+
+
+def test_gemma4_guards_on_v_proj_fold_away():
+    """The rewritten forwards no longer look for `v_proj`: the stacked one is gone,
+    the absent one is `None` on every instance that takes the fusion."""
+    for layer_idx in (0, 1):
+        attention = gemma4_attention(layer_idx)
+        names = get_fuser(attention, QKVFuser).fused_forward.__code__.co_names
+        assert ("v_proj" in names) == (layer_idx == 1)  # only its dead branch
+
+
+def test_gemma4_instance_holding_what_the_analysed_one_lacked_is_not_fused(
+    vllm_config,
+):
+    fuser = get_fuser(gemma4_attention(1), QKVFuser)
+    odd = gemma4_attention(1)
+    odd.v_proj = lambda x: x  # not a child, so the same class analysis
+    assert registry_key(odd) == registry_key(gemma4_attention(1))
+    assert "v_proj exist in this instance" in fuser.mismatch(odd, vllm_config)
+
+
+def test_gemma4_attention_needs_its_own_heads_per_layer(vllm_config):
+    """Per-layer head sizes and key/value heads: the full layer's are not the
+    config's (which Transformers refuses to read globally)."""
+    for layer_idx, kind in ((0, "sliding"), (1, "full")):
+        attention = gemma4_attention(layer_idx, "vllm")
+        fuser = get_fuser(attention, AttentionFuser)
+        assert fuser.validate(attention, vllm_config)
+        needs = fuser.attention_needs(attention, vllm_config)
+        head_size, kv_heads = GEMMA4_HEADS[kind]
+        assert (needs.head_size, needs.head_size_v) == (head_size, head_size)
+        assert (needs.num_heads, needs.num_kv_heads) == (4, kv_heads)
+        assert needs.scale == 1.0
+        window = attention.config.sliding_window if kind == "sliding" else None
+        assert needs.sliding_window == window
+        assert needs.sources["v"] == ("v_proj" if kind == "sliding" else "k_proj")
+
+
+class ValueFromQuery(nn.Module):
+    """The query's projection reused as the value: not a key/value sharing."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = HEAD
+        self.q_proj, self.k_proj, self.o_proj = (
+            nn.Linear(HIDDEN, HIDDEN) for _ in range(3)
+        )
+
+    def forward(self, x):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, q, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def test_value_from_the_querys_projection_is_declined(declined):
+    assert get_fuser(ValueFromQuery(), QKVFuser) is None
+    assert any("nor the value from the key's" in r for r in declined(QKVFuser))

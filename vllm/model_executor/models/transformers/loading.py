@@ -123,6 +123,14 @@ class CheckpointLayout:
         copies = copies or {}
         mapper = self.mapper()
         loadable = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # Persistent buffers are in checkpoints too (Gemma 4's per-layer
+        # `layer_scalar`); `AutoWeightsLoader` loads them as it loads parameters.
+        loadable |= {
+            f"{prefix}{'.' if prefix else ''}{name}"
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, _ in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set
+        }
         elsewhere = tuple(
             f"{name}."
             for name, module in model.named_modules()

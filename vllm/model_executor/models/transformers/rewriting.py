@@ -321,16 +321,47 @@ class ForwardRewrite:
             for n in _stored_names(s)
         )
 
+    def existence_guards(self) -> dict[str, list[ast.Compare]]:
+        """`self.<name> is None` and `self.<name> is not None` in the forward, by
+        name, for the names the forward also calls (`self.<name>(...)`): a child
+        that some instances have and others hold as `None`."""
+        called = {
+            n.func.attr
+            for n in ast.walk(self.tree)
+            if isinstance(n, ast.Call) and is_self_attribute(n.func)
+        }
+        guards: dict[str, list[ast.Compare]] = {}
+        for node in ast.walk(self.tree):
+            if (
+                isinstance(node, ast.Compare)
+                and len(node.ops) == 1
+                and isinstance(node.ops[0], ast.Is | ast.IsNot)
+                and is_self_attribute(node.left)
+                and node.left.attr in called
+                and isinstance(node.comparators[0], ast.Constant)
+                and node.comparators[0].value is None
+            ):
+                guards.setdefault(node.left.attr, []).append(node)
+        return guards
+
+    def fold_guards(self, guards: list[ast.Compare], present: bool) -> None:
+        """Replace the `existence_guards` `guards` by what they are when the child
+        they test is `present`."""
+        for guard in guards:
+            value = present if isinstance(guard.ops[0], ast.IsNot) else not present
+            self.replace(guard, ast.copy_location(ast.Constant(value), guard))
+
     def stack_calls(self, spans: dict[str, Span], fused: str) -> None:
         """Replace the calls `self.<child>(x)` at `spans` (child -> span) by the parts
         of one call `self.<fused>(x)`, split by its per-rank output sizes in the order
-        of `spans`, placed before the first of them."""
+        of `spans`, placed before the first of them. Output sizes past those parts
+        must be empty (a QKV layer whose key is also its value has no value part)."""
         calls, x = self.calls_on_one_name(spans)
         block, first, _ = self.region(calls)
         outputs = [self.fresh_name(f"{name}_out") for name in spans]
         split = ast.parse(
             f"{', '.join(outputs)} = self.{fused}({x})"
-            f".split(self.{fused}.output_partition_sizes, dim=-1)"
+            f".split(self.{fused}.output_partition_sizes[:{len(outputs)}], dim=-1)"
         )
         self.insert_before(block[first], split.body[0])
         for call, output in zip(calls, outputs):

@@ -114,6 +114,14 @@ class _Probe(fx.Proxy):
             return getattr(value, name)
         return _ProbeAttribute(self, name)
 
+    def __setitem__(self, key: Any, item: Any) -> None:
+        # A write into an input (Gemma 4 stores its keys and values in the
+        # `shared_kv_states` dict it is passed) is recorded, so tracing goes on to
+        # the attention call after it.
+        self.tracer.create_proxy(
+            "call_function", operator.setitem, (self, key, item), {}
+        )
+
     def __len__(self) -> int:
         value = self.node.meta.get("value", UNKNOWN)
         if value is UNKNOWN or not hasattr(value, "__len__"):

@@ -456,22 +456,32 @@ class AttentionFuser(BaseFuser):
         head_size: int,
         head_size_v: int,
     ) -> None:
-        """Where query, key and value each come from their own linear, its width must
-        be the heads this instance says it has."""
-        names = [self.sources.get(role) for role in "qkv"]
-        if None in names or len(set(names)) != 3:
-            return
-        expected = (
-            num_heads * head_size,
-            num_kv_heads * head_size,
-            num_kv_heads * head_size_v,
+        """Each linear computing roles must be as wide as the heads this instance
+        says it has: head counts traced on another instance of the class (no
+        attribute holds them) are caught here when this instance's differ."""
+        expected = dict(
+            q=num_heads * head_size,
+            k=num_kv_heads * head_size,
+            v=num_kv_heads * head_size_v,
         )
-        for role, name, width in zip("qkv", names, expected):
+        roles: dict[str, list[str]] = {}
+        for role in "qkv":
+            if (name := self.sources.get(role)) is not None:
+                roles.setdefault(name, []).append(role)
+        for name, computed in roles.items():
+            if "q" in computed and len(computed) > 1:
+                continue  # packs the query with the key or value: its fuser checks it
+            # Key and value from one linear: the key reused as the value (Gemma 4's
+            # `attention_k_eq_v`), or both packed in it.
+            widths = {expected[computed[0]], sum(expected[r] for r in computed)}
             linear = getattr(module, name, None)
-            if linears.is_linear(linear) and linears.out_features(linear) != width:
+            if linears.is_linear(linear) and (
+                width := linears.out_features(linear)
+            ) not in widths:
                 raise ValueError(
-                    f"{self.describe(module)}: {name} computes the {role} "
-                    f"{linears.out_features(linear)} wide, but the module's heads say {width} "
+                    f"{self.describe(module)}: {name} computes the "
+                    f"{' and '.join(computed)} {width} wide, but the "
+                    f"module's heads say {' or '.join(map(str, sorted(widths)))} "
                     f"({num_heads} query / {num_kv_heads} key-value heads of "
                     f"{head_size}); vLLM's attention would be built wrong."
                 )

@@ -33,9 +33,15 @@ V_HEAD_SIZE_ATTRIBUTES = ("v_head_dim", *HEAD_SIZE_ATTRIBUTES)
 
 
 def resolve(module: nn.Module, path: str) -> object:
-    """`module.<path>` for a dotted `path`, `None` where an attribute is missing."""
+    """`module.<path>` for a dotted `path`, `None` where an attribute is missing or
+    holds no single value: a per-layer attribute read off a heterogeneous config
+    (Gemma 4's `config.num_key_value_heads`), which Transformers refuses with a
+    `RuntimeError` subclass."""
     for name in path.split("."):
-        module = getattr(module, name, None)
+        try:
+            module = getattr(module, name, None)
+        except RuntimeError:
+            return None
     return module
 
 

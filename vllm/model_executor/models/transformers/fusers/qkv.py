@@ -149,7 +149,13 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
 
     Roles come from dataflow: the linear each of the attention call's query, key and
     value is computed from, whatever the names or the call order, norms or rotary
-    embeddings in between. The head size is the query's last dimension at the call."""
+    embeddings in between. The head size is the query's last dimension at the call.
+
+    A value computed from the key's projection (Gemma 4's `attention_k_eq_v` layers,
+    which hold `v_proj = None`) stacks the query and key only: the value keeps
+    coming from the key's part, as in Transformers. Guards on a projection's
+    existence (`self.v_proj is not None`) fold to what the analysed instance had,
+    and every instance must have the same."""
 
     kind = "qkv"
 
@@ -159,6 +165,9 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
     whole_width_norms: tuple[str, ...] = ()
     """Children with weights between a projection and the attention that see more
     than one head at a time (OLMo 2's q/k norms): wrong on one rank's share."""
+    absent: tuple[str, ...] = ()
+    """Callables the forward guards with `self.<name> is None` that were `None` on
+    the analysed instance: the guards are folded, so every instance must lack them."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -182,24 +191,28 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         sources = [fx_utils.linear_feeding(role, module) for role in roles]
         if all(linear is None for linear in sources) or len(set(sources)) == 1:
             return None  # nothing to stack, or one packed projection
-        if None in sources or len(set(sources)) != 3:
-            return cls.decline(
-                module, "query, key and value do not each come from their own linear"
-            )
         q, k, v = sources
-        names = [q.target, k.target, v.target]
+        if None in sources or not (
+            len(set(sources)) == 3 or (v is k and q is not k)
+        ):
+            return cls.decline(
+                module,
+                "query, key and value do not each come from their own linear (nor "
+                "the value from the key's)",
+            )
+        names = list(dict.fromkeys(n.target for n in sources))
         if reason := called_once(graph, names):
             return cls.decline(module, reason)
         if not q.args[0] is k.args[0] is v.args[0]:
             return cls.decline(module, f"{', '.join(names)} read different inputs")
-        q_mod, k_mod, v_mod = (module.get_submodule(n) for n in names)
-        if len({(m.bias is None) for m in (q_mod, k_mod, v_mod)}) != 1:
+        projections = [module.get_submodule(n.target) for n in sources]
+        if len({(m.bias is None) for m in projections}) != 1:
             return cls.decline(module, "some of the projections have a bias, some not")
         query, key, value = (heads_at(role) for role in roles)
         if query is None or key is None or value is None:
             return cls.decline(module, "the head size at the attention call is unknown")
         head_size = query.shape[-1]
-        widths = [linears.out_features(m) for m in (q_mod, k_mod, v_mod)]
+        widths = [linears.out_features(m) for m in projections]
         try:
             HeadLayout.of(*widths, head_size)
         except FusionDeclined as reason:
@@ -239,9 +252,17 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         )
 
     def layout(self, module: nn.Module) -> HeadLayout:
-        """This instance's heads: its head size attribute over its projections."""
-        q, k, v = (linears.out_features(getattr(module, n)) for n in self.shards)
-        return HeadLayout.of(q, k, v, resolve(module, self.head_size_attribute))
+        """This instance's heads: its head size attribute over its projections (no
+        value width where the value is the key)."""
+        widths = {
+            s: linears.out_features(getattr(module, n)) for n, s in self.shards.items()
+        }
+        return HeadLayout.of(
+            widths["q"],
+            widths["k"],
+            widths.get("v", 0),
+            resolve(module, self.head_size_attribute),
+        )
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         sharded = vllm_config.parallel_config.tensor_parallel_size > 1
@@ -256,6 +277,11 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
                 "projection, so whatever reads it would get one rank's share of "
                 "the heads"
             )
+        if present := [n for n in self.absent if getattr(module, n, None) is not None]:
+            return (
+                f"{', '.join(present)} exist in this instance, not in the analysed "
+                "one, and the guards on them were folded"
+            )
         projections = [getattr(module, name, None) for name in self.shards]
         if not all(linears.is_linear(p) for p in projections):
             return f"{', '.join(self.shards)} are not all linears in this instance"
@@ -269,8 +295,16 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
 
     def update_forward(self, module: nn.Module) -> None:
         rewrite = ForwardRewrite(type(module))
+        absent = []
+        for name, guards in rewrite.existence_guards().items():
+            if name in self.shards:  # stacked away: the guard must not look for it
+                rewrite.fold_guards(guards, present=True)
+            elif getattr(module, name, None) is None:
+                rewrite.fold_guards(guards, present=False)
+                absent.append(name)
         rewrite.stack_calls(self.call_spans, self.fused_name)
         self.fused_forward = rewrite.compile()
+        self.absent = tuple(absent)
 
     def update_attrs(
         self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
@@ -287,6 +321,8 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
             row_parallel(module, self.output_name, prefix, vllm_config)
 
     def info(self, name: str, module: nn.Module) -> str:
+        value = "" if "v" in self.shards.values() else " (the key is the value)"
+        fused = f"{super().info(name, module)}{value}"
         if not self.output_name:
-            return super().info(name, module)
-        return f"{super().info(name, module)}; {self.output_name} -> RowParallelLinear"
+            return fused
+        return f"{fused}; {self.output_name} -> RowParallelLinear"
