@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from configs import small_config
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, CpmAntConfig
+from transformers.models.cpmant.modeling_cpmant import CpmAntLayerNorm
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4UnweightedRMSNorm,
 )
@@ -340,6 +341,10 @@ def test_a_weightless_verdict_is_not_taken_by_an_instance_with_a_weight(vllm_con
         (WeightlessNoUpcast(), "it normalises in the input dtype"),
         (WeightlessReturnsFloat32(), "it returns torch.float32"),
         (DeepseekV4UnweightedRMSNorm(), "it normalises in the input dtype"),
+        (
+            CpmAntLayerNorm(CpmAntConfig(hidden_size=HIDDEN)),
+            "it scales its input uncast, in the input dtype, by a float32 root",
+        ),
         (RootRoundedToInputDtype(), "rounds an intermediate value (to) to torch.bfloat16"),
         (EpsOfTheDtype(), "eps=0.0078125 is neither an attribute of it nor written"),
         (EpsOfTheConfig(), "eps=1e-06 is neither an attribute of it nor written"),
@@ -350,13 +355,14 @@ def test_a_weightless_verdict_is_not_taken_by_an_instance_with_a_weight(vllm_con
         "no-upcast",
         "returns-float32",
         "deepseek-v4-root-in-input-dtype",
+        "cpmant-input-promoted-at-the-multiply",
         "root-rounded",
         "eps-of-the-dtype",
         "eps-of-a-config",
         "unused-weight",
     ],
 )
-def test_weightless_near_misses_are_declined(module, reason, declined):
+def test_near_misses_in_the_normalisation_are_declined(module, reason, declined):
     assert get_fuser(module, RMSNormFuser) is None
     assert any(reason in r for r in declined(RMSNormFuser)), declined(RMSNormFuser)
 

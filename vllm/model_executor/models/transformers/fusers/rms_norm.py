@@ -116,6 +116,10 @@ def _rounding(start: fx.Node, core: _Core) -> str | None:
     `None` when it is."""
     if _dtype(core.normalised) != torch.float32:
         return "it normalises in the input dtype; vLLM normalises in float32"
+    if _dtype(core.x) != torch.float32:
+        # Promoted only at the multiply: float32 for narrower inputs, but a float64
+        # input would be scaled in float64, where vLLM casts it to float32 first.
+        return "it scales its input uncast, in the input dtype, by a float32 root"
     for node in fx_utils.between(start, core.normalised):
         if _dtype(node) != torch.float32:
             return (
@@ -259,6 +263,8 @@ class RMSNormFuser(BaseFuser):
     @classmethod
     def _weightless(cls, module: nn.Module, output: fx.Node, eps: object) -> Self | None:
         """The normalisation, cast back, is all the module computes."""
+        if _dtype(output) is None:
+            return cls.decline(module, "tracing could not infer what it returns")
         if _dtype(output) != tracing.PROBE_DTYPE:
             return cls.decline(
                 module, f"it returns {_dtype(output)}, not its input's dtype"
