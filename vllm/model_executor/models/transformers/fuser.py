@@ -4,10 +4,10 @@
 three stages (DESIGN §4).
 
 1. Class analysis (`analyse`, cached by `key(module)`: the class and the names of its
-   direct children and parameters, so the cost grows with the number of distinct module classes,
-   not with depth). Pure: what it found and what it declined, with the reasons, live
-   in the cache entry. Any exception while matching or rewriting a class declines
-   that fuser, with the reason; it never escapes.
+   direct children and parameters, so the cost grows with the number of distinct
+   module classes, not with depth). Pure: what it found and what it declined, with
+   the reasons, live in the cache entry. Any exception while matching or rewriting a
+   class declines that fuser, with the reason; it never escapes.
 2. Instance plan (`Fusers`): each instance takes a fuser only if `mismatch` finds
    nothing in the instance that differs from what the class analysis saw; every
    instance decline is logged and kept with the module's name.

@@ -2,13 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Root-mean-square normalisation, found from what a module computes."""
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Self
-
 import ast
 import functools
 import inspect
 import textwrap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
 
 import torch
 from torch import fx, nn
@@ -261,7 +260,9 @@ class RMSNormFuser(BaseFuser):
         )
 
     @classmethod
-    def _weightless(cls, module: nn.Module, output: fx.Node, eps: object) -> Self | None:
+    def _weightless(
+        cls, module: nn.Module, output: fx.Node, eps: object
+    ) -> Self | None:
         """The normalisation, cast back, is all the module computes."""
         if _dtype(output) is None:
             return cls.decline(module, "tracing could not infer what it returns")
