@@ -12,11 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from vllm.model_executor.models.transformers import fuser as registry
-from vllm.model_executor.models.transformers.fusers import GLUFuser, QKVFuser
+from vllm.model_executor.models.transformers.fusers import (
+    AttentionFuser,
+    GLUFuser,
+    QKVFuser,
+)
 from vllm.model_executor.models.transformers.fusers import base as fuser_base
 
 
@@ -124,3 +128,90 @@ def test_forward_annotated_with_names_only_type_checkers_import(tmp_path, equiva
         assert [type(f) for f in applied] == [QKVFuser]
     finally:
         del sys.modules["remote_attention"]
+
+
+LOCAL_IMPORT = """
+    from torch import nn
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+
+    class Attention(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.layer_idx, self.is_causal = config, 0, True
+            self.head_dim = config.hidden_size // config.num_attention_heads
+            self.num_key_value_groups = (
+                config.num_attention_heads // config.num_key_value_heads
+            )
+            self.scaling = self.head_dim**-0.5
+            kv_width = config.num_key_value_heads * self.head_dim
+            self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+            self.k_proj = nn.Linear(config.hidden_size, kv_width)
+            self.v_proj = nn.Linear(config.hidden_size, kv_width)
+            self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+        def forward(self, hidden_states, attention_mask=None, **kwargs):
+            {import_line}
+
+            shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            query = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+            key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+            value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+            attention_interface = {interface}
+            output, _ = attention_interface(
+                self, query, key, value, attention_mask, scaling=self.scaling, **kwargs
+            )
+            return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1))
+"""
+
+
+@pytest.mark.parametrize(
+    ("import_line", "interface"),
+    [
+        (
+            "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS",
+            "ALL_ATTENTION_FUNCTIONS.get_interface("
+            "self.config._attn_implementation, eager_attention_forward)",
+        ),
+        (
+            "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as af",
+            "af[self.config._attn_implementation]",
+        ),
+        (
+            "from transformers import modeling_utils",
+            "modeling_utils.ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]",
+        ),
+    ],
+    ids=["get_interface", "aliased", "module-attribute"],
+)
+def test_forward_importing_the_attention_registry_in_its_body(
+    import_line, interface, tmp_path, equivalent
+):
+    # Common in remote code. The forward reads the registry from its home module
+    # when it runs, so tracing must make it opaque there, not only in its globals.
+    registry_before = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    source = LOCAL_IMPORT.replace("{import_line}", import_line)
+    path = tmp_path / "remote_local_import.py"
+    path.write_text(textwrap.dedent(source.replace("{interface}", interface)))
+    spec = importlib.util.spec_from_file_location("remote_local_import", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["remote_local_import"] = module
+    config = AutoConfig.for_model(
+        "llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2
+    )
+    try:
+        spec.loader.exec_module(module)
+        config._attn_implementation = "vllm"
+        qkv, attention = registry.get_fusers(module.Attention(config))
+        assert modeling_utils.ALL_ATTENTION_FUNCTIONS is registry_before
+        assert type(qkv) is QKVFuser and type(attention) is AttentionFuser
+        roles = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+        assert attention.sources == roles
+        assert attention.traced["num_kv_heads"] == 2
+        # The same class on Transformers' own attention: fused, computing the same.
+        config._attn_implementation = "sdpa"
+        inputs = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+        _, applied = equivalent(module.Attention(config), inputs)
+        assert [type(f) for f in applied] == [QKVFuser]
+    finally:
+        del sys.modules["remote_local_import"]

@@ -4,10 +4,10 @@
 three stages (DESIGN §4).
 
 1. Class analysis (`analyse`, cached by `key(module)`: the class and the names of its
-   direct children, so the cost grows with the number of distinct module classes,
-   not with depth). Pure: what it found and what it declined, with the reasons, live
-   in the cache entry. Any exception while matching or rewriting a class declines
-   that fuser, with the reason; it never escapes.
+   direct children and parameters, so the cost grows with the number of distinct
+   module classes, not with depth). Pure: what it found and what it declined, with
+   the reasons, live in the cache entry. Any exception while matching or rewriting a
+   class declines that fuser, with the reason; it never escapes.
 2. Instance plan (`Fusers`): each instance takes a fuser only if `mismatch` finds
    nothing in the instance that differs from what the class analysis saw; every
    instance decline is logged and kept with the module's name.
@@ -40,13 +40,19 @@ logger = init_logger(__name__)
 FUSERS: tuple[type[BaseFuser], ...] = FUSER_CLASSES
 """Every fuser, in the order they are tried."""
 
-Key = tuple[type[nn.Module], tuple[str, ...]]
+Key = tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]
 F = TypeVar("F", bound=BaseFuser)
 
 
 def key(module: nn.Module) -> Key:
-    """What fusers are found by: the module's class and its direct children's names."""
-    return type(module), tuple(name for name, _ in module.named_children())
+    """What fusers are found by: the module's class and the names of its direct
+    children and parameters. A forward may branch on either (Gemma 3n's norms apply
+    `weight` only where they have one), so each combination is traced on its own."""
+    return (
+        type(module),
+        tuple(name for name, _ in module.named_children()),
+        tuple(name for name, _ in module.named_parameters(recurse=False)),
+    )
 
 
 @dataclass(frozen=True)

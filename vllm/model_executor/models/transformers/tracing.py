@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from transformers import modeling_utils
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import linears
@@ -347,18 +348,21 @@ def _run_leaf(module: nn.Module, args: tuple) -> object:
 
 
 @contextmanager
-def _opaque_attention(namespace: dict[str, Any]) -> Iterator[None]:
-    """Swaps `ALL_ATTENTION_FUNCTIONS` in `namespace` for the recording stand-in, the
-    way fx itself patches globals while it traces."""
-    registry = namespace.get(_INTERFACE_REGISTRY)
-    if registry is None:
-        yield
-        return
-    namespace[_INTERFACE_REGISTRY] = _OpaqueAttentionFunctions(registry)
+def _opaque_attention(*namespaces: dict[str, Any]) -> Iterator[None]:
+    """Swaps `ALL_ATTENTION_FUNCTIONS` in each of `namespaces` that holds it for the
+    recording stand-in, the way fx itself patches globals while it traces."""
+    swapped = {
+        id(namespace): (namespace, registry)
+        for namespace in namespaces
+        if (registry := namespace.get(_INTERFACE_REGISTRY)) is not None
+    }
+    for namespace, registry in swapped.values():
+        namespace[_INTERFACE_REGISTRY] = _OpaqueAttentionFunctions(registry)
     try:
         yield
     finally:
-        namespace[_INTERFACE_REGISTRY] = registry
+        for namespace, registry in swapped.values():
+            namespace[_INTERFACE_REGISTRY] = registry
 
 
 def trace(module: nn.Module) -> Traced:
@@ -380,7 +384,9 @@ def _trace(module: nn.Module, optional_as_none: bool) -> Traced:
     tracer = _DataflowTracer(module, optional_as_none)
     forward_globals = inspect.unwrap(type(module).forward).__globals__
     try:
-        with _opaque_attention(forward_globals):
+        # Also where the registry lives: a forward that imports it in its body (as
+        # remote code does) reads it from there when it runs, not from its globals.
+        with _opaque_attention(forward_globals, vars(modeling_utils)):
             graph = tracer.trace(module)
     except Exception as error:  # noqa: BLE001 - any failure ends the trace where it is
         logger.debug("Tracing %s stopped early: %s", type(module).__name__, error)

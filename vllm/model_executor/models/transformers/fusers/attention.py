@@ -54,33 +54,49 @@ LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 """`config.layer_types` entries for a layer with attention -> whether it slides."""
 
 
-def _binds_interface(value: ast.expr) -> bool:
-    """`ALL_ATTENTION_FUNCTIONS.get_interface(...)` or `ALL_ATTENTION_FUNCTIONS[...]`."""
+def _registry_names(forward: ast.FunctionDef) -> set[str]:
+    """The names the registry goes by in the forward: its own, and any alias the
+    forward imports it as in its body (`from ... import ALL_ATTENTION_FUNCTIONS as
+    x`, common in remote code)."""
+    return {INTERFACE_REGISTRY} | {
+        alias.asname
+        for node in ast.walk(forward)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name == INTERFACE_REGISTRY and alias.asname
+    }
+
+
+def _is_registry(value: ast.expr, names: set[str]) -> bool:
+    """One of `names`, or `<module>.ALL_ATTENTION_FUNCTIONS`."""
+    return (isinstance(value, ast.Name) and value.id in names) or (
+        isinstance(value, ast.Attribute) and value.attr == INTERFACE_REGISTRY
+    )
+
+
+def _binds_interface(value: ast.expr, names: set[str]) -> bool:
+    """`<registry>.get_interface(...)` or `<registry>[...]`."""
     if isinstance(value, ast.Call):
         value = value.func
         return (
             isinstance(value, ast.Attribute)
             and value.attr == "get_interface"
-            and isinstance(value.value, ast.Name)
-            and value.value.id == INTERFACE_REGISTRY
+            and _is_registry(value.value, names)
         )
-    return (
-        isinstance(value, ast.Subscript)
-        and isinstance(value.value, ast.Name)
-        and value.value.id == INTERFACE_REGISTRY
-    )
+    return isinstance(value, ast.Subscript) and _is_registry(value.value, names)
 
 
 def _interface_locals(forward: ast.FunctionDef) -> set[str]:
     """The local names the forward binds to an attention interface."""
+    registry = _registry_names(forward)
     names = set()
     for node in ast.walk(forward):
-        if isinstance(node, ast.Assign) and _binds_interface(node.value):
+        if isinstance(node, ast.Assign) and _binds_interface(node.value, registry):
             targets = node.targets
         elif (
             isinstance(node, ast.AnnAssign)
             and node.value
-            and _binds_interface(node.value)
+            and _binds_interface(node.value, registry)
         ):
             targets = [node.target]
         else:
