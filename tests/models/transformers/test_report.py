@@ -63,6 +63,14 @@ def test_model_without_interface_dispatch_is_not_servable_with_the_reason(vllm_r
     assert "is not compatible with vLLM" in report.reason  # vLLM's registry, too
 
 
+def test_latent_attention_passes_the_attention_width_checks(vllm_runtime):
+    # Its keys join kv_b_proj's part to a rotary part from another linear, so
+    # kv_b_proj's width is neither the keys' nor the keys' and values'.
+    report = build_report(small_config("minicpm3"), "minicpm3")
+    assert report.servable, report.reason
+    assert report.attention and all(layer.mla for layer in report.attention)
+
+
 def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runtime):
     report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
     assert not report.servable

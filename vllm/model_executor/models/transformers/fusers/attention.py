@@ -472,9 +472,12 @@ class AttentionFuser(BaseFuser):
         head_size: int,
         head_size_v: int,
     ) -> None:
-        """Each linear computing roles must be as wide as the heads this instance
+        """Each linear computing one role must be as wide as the heads this instance
         says it has: head counts traced on another instance of the class (no
-        attribute holds them) are caught here when this instance's differ."""
+        attribute holds them) are caught here when this instance's differ. A linear
+        computing several roles is left alone: packed, the key reused as the value
+        (Gemma 4), or keys completed from another linear (latent attention), its
+        width alone cannot say which, and the fuser that stacks it checks it."""
         expected = dict(
             q=num_heads * head_size,
             k=num_kv_heads * head_size,
@@ -485,19 +488,14 @@ class AttentionFuser(BaseFuser):
             if (name := self.sources.get(role)) is not None:
                 roles.setdefault(name, []).append(role)
         for name, computed in roles.items():
-            if "q" in computed and len(computed) > 1:
-                continue  # packs the query with the key or value: its fuser checks it
-            # Key and value from one linear: the key reused as the value (Gemma 4's
-            # `attention_k_eq_v`), or both packed in it.
-            widths = {expected[computed[0]], sum(expected[r] for r in computed)}
             linear = getattr(module, name, None)
-            if linears.is_linear(linear) and (
-                width := linears.out_features(linear)
-            ) not in widths:
+            if len(computed) != 1 or not linears.is_linear(linear):
+                continue
+            (role,) = computed
+            if (width := linears.out_features(linear)) != expected[role]:
                 raise ValueError(
-                    f"{self.describe(module)}: {name} computes the "
-                    f"{' and '.join(computed)} {width} wide, but the "
-                    f"module's heads say {' or '.join(map(str, sorted(widths)))} "
+                    f"{self.describe(module)}: {name} computes the {role} {width} "
+                    f"wide, but the module's heads say {expected[role]} "
                     f"({num_heads} query / {num_kv_heads} key-value heads of "
                     f"{head_size}); vLLM's attention would be built wrong."
                 )
