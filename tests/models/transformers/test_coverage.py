@@ -33,6 +33,8 @@ ARCHS = [
     # Full layers without `v_proj` (the key is the value), wider heads and fewer
     # key/value heads than the sliding ones.
     "gemma4_text",
+    # AltUp streams, LAuReL, per-layer input embeddings, alternating windows.
+    "gemma3n_text",
 ]
 
 TENSOR_PARALLEL = ["gpt2"]
@@ -46,6 +48,9 @@ FEATURES = {
     "granite-residual-multiplier": ("granite", dict(residual_multiplier=1.0)),
     "granite-attention-multiplier": ("granite", dict(attention_multiplier=32**-0.5)),
     "gemma4-window": ("gemma4_text", dict(sliding_window=tiny.MAX_MODEL_LEN)),
+    "gemma3n-window": ("gemma3n_text", dict(sliding_window=tiny.MAX_MODEL_LEN)),
+    # AltUp's corrected active stream scaled by its learned `correct_output_scale`.
+    "gemma3n-altup-correct-scale": ("gemma3n_text", dict(altup_correct_scale=False)),
 }
 """A feature of a recipe -> (model_type, the config change that turns it off)."""
 

@@ -245,6 +245,27 @@ ARCHS: dict[str, dict[str, Any]] = {
         layer_types=["sliding_attention", "full_attention"] * 2,
         hidden_size_per_layer_input=0,
     ),
+    # Gemma 3n text: AltUp (2 streams: predict, correct, the active one through the
+    # layer), LAuReL low-rank residual, per-layer input embeddings (own vocabulary
+    # table plus a projection of the embeddings) gated into every layer, q/k/v norms
+    # (v without weight), softmax scale 1, alternating sliding/full layers with their
+    # own rope thetas, final logit soft-capping. The last two layers (one of each
+    # type) have no k/v projections: they attend to the keys and values of the last
+    # earlier layer of their type (`num_kv_shared_layers`). No activation sparsity.
+    "gemma3n_text": dict(
+        head_dim=32,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        intermediate_size=[256] * 4,
+        laurel_rank=16,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=VOCAB_SIZE,
+        num_kv_shared_layers=2,
+        activation_sparsity_pattern=[0.0] * 4,
+        altup_num_inputs=2,
+        altup_active_idx=0,
+        altup_coef_clip=120.0,
+    ),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 
