@@ -33,7 +33,9 @@ ARCHS = [
     # Full layers without `v_proj` (the key is the value), wider heads and fewer
     # key/value heads than the sliding ones.
     "gemma4_text",
-    # AltUp streams, LAuReL, per-layer input embeddings, alternating windows.
+    # AltUp streams, LAuReL, per-layer input embeddings, alternating windows, and
+    # two layers reusing earlier layers' keys and values (right, though each still
+    # gets a KV cache of its own: vLLM's KV sharing is not used, by stock either).
     "gemma3n_text",
 ]
 
