@@ -42,12 +42,7 @@ E2E_IMPL = tiny.e2e_impl()
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_reference_is_well_separated(model_type):
     """Greedy choices must not hinge on float32 noise."""
-    completions = reference(model_type)
-    margin = min(min(c.margins) for c in completions)
-    assert margin >= tiny.MIN_MARGIN, f"{model_type}: top-1/top-2 margin {margin:.3g}"
-    for c in completions:
-        assert len(c.token_ids) == tiny.MAX_TOKENS
-        assert all(lp < 0 for lp in c.logprobs)
+    tiny.check_well_separated(model_type)
 
 
 def _changes_output(model_type: str, **config_changes) -> bool:

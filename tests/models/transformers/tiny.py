@@ -1037,6 +1037,29 @@ def differs(
     return gap > 100 * LOGPROB_ATOL
 
 
+def check_well_separated(model_type: str) -> None:
+    """The reference's greedy choices do not hinge on float32 noise."""
+    completions = cached_reference(model_type)
+    margin = min(min(c.margins) for c in completions)
+    assert margin >= MIN_MARGIN, f"{model_type}: top-1/top-2 margin {margin:.3g}"
+    for c in completions:
+        assert len(c.token_ids) == MAX_TOKENS
+        assert all(lp < 0 for lp in c.logprobs)
+
+
+def check_tensor_parallel(model_type: str, impl: str) -> None:
+    """TP=2 (one worker process per rank) equals Transformers, and TP=1."""
+    tp2 = shared_engine(model_type, impl, 2)
+    assert len(tp2.probe) == 2 and len({w["pid"] for w in tp2.probe}) == 2
+    gap = compare(cached_reference(model_type), tp2.completions)
+    compare(
+        shared_engine(model_type, impl).completions,
+        tp2.completions,
+        atol=2 * LOGPROB_ATOL,
+    )
+    report(f"{model_type} ({impl}, TP=2) vs Transformers", tp2, gap)
+
+
 def report(what: str, run: EngineRun, gap: float) -> None:
     print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
 
