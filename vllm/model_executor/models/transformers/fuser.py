@@ -100,8 +100,8 @@ def _match(
 
 
 _analyses: dict[Key, ClassAnalysis] = {}
-# One analysis at a time, held while it runs: tracing swaps the attention registry in
-# the forward's module globals, so two concurrent traces could leave it swapped.
+# Held while an analysis runs, so each key is analysed (and its class's forward
+# rewritten) once, however many threads ask for it at the same time.
 _analysis_lock = threading.RLock()
 
 

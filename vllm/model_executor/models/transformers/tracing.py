@@ -13,6 +13,7 @@ import functools
 import inspect
 import operator
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -347,22 +348,27 @@ def _run_leaf(module: nn.Module, args: tuple) -> object:
     return tensor
 
 
+_swap_lock = threading.RLock()
+"""One swap at a time: two overlapping ones would restore each other's stand-in."""
+
+
 @contextmanager
 def _opaque_attention(*namespaces: dict[str, Any]) -> Iterator[None]:
     """Swaps `ALL_ATTENTION_FUNCTIONS` in each of `namespaces` that holds it for the
     recording stand-in, the way fx itself patches globals while it traces."""
-    swapped = {
-        id(namespace): (namespace, registry)
-        for namespace in namespaces
-        if (registry := namespace.get(_INTERFACE_REGISTRY)) is not None
-    }
-    for namespace, registry in swapped.values():
-        namespace[_INTERFACE_REGISTRY] = _OpaqueAttentionFunctions(registry)
-    try:
-        yield
-    finally:
+    with _swap_lock:
+        swapped = {
+            id(namespace): (namespace, registry)
+            for namespace in namespaces
+            if (registry := namespace.get(_INTERFACE_REGISTRY)) is not None
+        }
         for namespace, registry in swapped.values():
-            namespace[_INTERFACE_REGISTRY] = registry
+            namespace[_INTERFACE_REGISTRY] = _OpaqueAttentionFunctions(registry)
+        try:
+            yield
+        finally:
+            for namespace, registry in swapped.values():
+                namespace[_INTERFACE_REGISTRY] = registry
 
 
 def trace(module: nn.Module) -> Traced:
