@@ -45,11 +45,6 @@ def test_reference_is_well_separated(model_type):
     tiny.check_well_separated(model_type)
 
 
-def _changes_output(model_type: str, **config_changes) -> bool:
-    changed = tiny.reference(checkpoint(model_type), **config_changes)
-    return tiny.differs(reference(model_type), changed)
-
-
 @pytest.mark.parametrize(
     "model_type, change",
     [
@@ -70,7 +65,7 @@ def _changes_output(model_type: str, **config_changes) -> bool:
 def test_feature_changes_output(model_type, change):
     """The tiny models exercise what they are meant to: without the feature, the
     reference output moves far beyond the tolerance."""
-    assert _changes_output(model_type, **change)
+    tiny.check_feature_changes_output(model_type, **change)
 
 
 def test_engine_failure_shows_first_traceback():

@@ -1047,6 +1047,13 @@ def check_well_separated(model_type: str) -> None:
         assert all(lp < 0 for lp in c.logprobs)
 
 
+def check_feature_changes_output(model_type: str, **config_changes: Any) -> None:
+    """Without a feature (`config_changes` turn it off), the reference moves far
+    beyond the tolerance: the tiny model exercises it, so a test can fail on it."""
+    changed = reference(checkpoint(model_type), **config_changes)
+    assert differs(cached_reference(model_type), changed), config_changes
+
+
 def check_tensor_parallel(model_type: str, impl: str) -> None:
     """TP=2 (one worker process per rank) equals Transformers, and TP=1."""
     tp2 = shared_engine(model_type, impl, 2)
