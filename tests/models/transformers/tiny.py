@@ -266,6 +266,57 @@ ARCHS: dict[str, dict[str, Any]] = {
         altup_active_idx=0,
         altup_coef_clip=120.0,
     ),
+    # --- mixtures of experts (test_moe_end_to_end.py): 8 experts of width 64, two
+    # per token, every layer sparse unless said otherwise ---
+    # Qwen3-MoE: softmax router in float32, top-k renormalised.
+    "qwen3_moe": dict(
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # Mixtral: `block_sparse_moe` with `w1`/`w2`/`w3` experts in the checkpoint,
+    # renamed by Transformers; softmax top-k renormalised.
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # Qwen2-MoE: top-k not renormalised, and a shared expert behind a sigmoid gate.
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        norm_topk_prob=False,
+    ),
+    # OLMoE: q/k norms over the whole projection width, top-k not renormalised.
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # FlexOlmo: OLMo 2's norms after each sublayer, with experts.
+    "flex_olmo": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    # HunYuan MoE: float32 router, top-k renormalised, a shared MLP beside the
+    # experts, q/k norms after the rotary embedding.
+    "hunyuan_v1_moe": dict(
+        head_dim=32, num_experts=8, moe_topk=2, intermediate_size=64
+    ),
+    # Mellum: sliding layers and sparse layers as the config lists them.
+    "mellum": dict(
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    ),
+    # gpt-oss: experts with biases and a clamped SwiGLU (gate and up interleaved,
+    # stored transposed), a router with a bias whose top-k logits are softmaxed,
+    # attention sinks, alternating sliding/full layers.
+    "gpt_oss": dict(
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
 }
 """`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
 
@@ -395,8 +446,9 @@ def _random_model(model_type: str, seed: int):
     )
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            if param.ndim == 1:
+        for name, param in sorted(model.named_parameters()):
+            # Expert biases are one row per expert: 1-D parameters all the same.
+            if param.ndim == 1 or name.endswith("_bias"):
                 param.add_(torch.randn(param.shape, generator=generator) * init.perturb)
         embeddings = model.get_input_embeddings().weight
         embeddings.mul_(init.embed_scale)

@@ -5,22 +5,35 @@ attention, fused tensor-parallel layers and kernels.
 
 Importing this package registers the `"vllm"` and `"vllm_mla"` attention functions
 with Transformers; the backend sets one of them as the text config's
-`_attn_implementation` (`"vllm_mla"` when vLLM uses MLA for the model)."""
+`_attn_implementation` (`"vllm_mla"` when vLLM uses MLA for the model). It also
+registers the `"vllm"` experts function, the text config's `_experts_implementation`,
+which runs experts on vLLM's fused MoE."""
 
 from transformers import AttentionInterface
+from transformers.integrations.moe import ExpertsInterface
 
 from vllm.model_executor.models.transformers.attention import (
     vllm_attention_forward,
     vllm_mla_attention_forward,
 )
 from vllm.model_executor.models.transformers.causal import CausalMixin
+from vllm.model_executor.models.transformers.experts import (
+    VLLM_EXPERTS,
+    vllm_experts_forward,
+)
 
 AttentionInterface.register("vllm", vllm_attention_forward)
 AttentionInterface.register("vllm_mla", vllm_mla_attention_forward)
+ExpertsInterface.register(VLLM_EXPERTS, vllm_experts_forward)
 
 
 class TransformersForCausalLM(CausalMixin):
     """A dense causal LM from Transformers."""
+
+
+class TransformersMoEForCausalLM(CausalMixin):
+    """A mixture-of-experts causal LM from Transformers: its experts run on vLLM's
+    fused MoE (`experts.py`), the rest as in a dense one."""
 
 
 class NotYetSupported(CausalMixin):
@@ -49,9 +62,6 @@ def _not_yet_supported(name: str, kind: str) -> type[NotYetSupported]:
     )
 
 
-TransformersMoEForCausalLM = _not_yet_supported(
-    "TransformersMoEForCausalLM", "mixture-of-experts models"
-)
 TransformersMultiModalForCausalLM = _not_yet_supported(
     "TransformersMultiModalForCausalLM", "multimodal models"
 )

@@ -38,6 +38,7 @@ from vllm.model_executor.models.transformers.attention import (
     attach_attention,
     attention_sites,
 )
+from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS
 from vllm.model_executor.models.transformers.loading import BASE, CheckpointLayout
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -87,9 +88,12 @@ def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
     model_config = vllm_config.model_config
     config = model_config.hf_config
     # Only the text config dispatches into vLLM: a vision tower keeps its own.
-    model_config.hf_text_config._attn_implementation = (
+    text_config = model_config.hf_text_config
+    text_config._attn_implementation = (
         VLLM_MLA_ATTENTION if model_config.use_mla else VLLM_ATTENTION
     )
+    # Experts behind Transformers' experts interface run on vLLM's fused MoE.
+    text_config._experts_implementation = VLLM_EXPERTS
     architectures = getattr(config, "architectures", None) or []
     hf_class = next(
         (getattr(transformers, a) for a in architectures if hasattr(transformers, a)),
@@ -292,6 +296,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
                     logger.info(fuser.info(qualname, new))
                     self.report.record_fusion(fuser)
                     self.layout.add_stacked(fuser.stacked_weights(qualname))
+                    self.layout.add_renamed(fuser.renamed_weights(qualname))
                 if needs is not None:
                     for fuser in fusers:
                         needs = fuser.adjust_attention(needs, new, self.vllm_config)

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+)
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers.fusers.base import ShardId
@@ -44,7 +49,12 @@ class CheckpointLayout:
     lm_head_bias: bool
     renamings: list[WeightRenaming]
     ignored: list[str]
+    per_expert: dict[re.Pattern, str] = field(default_factory=dict)
+    """Per-expert checkpoint tensors -> `<expert>.<fused parameter>.<shard>`, the
+    part of Transformers' fused experts parameter each one is."""
     stacked: dict[str, tuple[str, ShardId]] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
+    """Checkpoint name prefix -> the prefix of the layer that loads it instead."""
     decoder_layers: tuple[str, int] | None = None
     """The decoder stack's name under the base model and how many layers it has:
     checkpoint layers past them are multi-token-prediction layers."""
@@ -55,6 +65,7 @@ class CheckpointLayout:
         lm_head_name = next(
             (name for name, child in hf_model.named_children() if child is output), None
         )
+        conversions = get_model_conversion_mapping(hf_model)
         return cls(
             base_prefix=hf_model.base_model_prefix,
             base_children=tuple(
@@ -62,21 +73,22 @@ class CheckpointLayout:
             ),
             lm_head_name=lm_head_name,
             lm_head_bias=getattr(output, "bias", None) is not None,
-            renamings=[
-                t
-                for t in get_model_conversion_mapping(hf_model)
-                if isinstance(t, WeightRenaming)
-            ],
+            renamings=[t for t in conversions if isinstance(t, WeightRenaming)],
             ignored=list(hf_model._keys_to_ignore_on_load_unexpected or []),
+            per_expert=_per_expert_names(conversions),
         )
 
     def add_stacked(self, stacked: dict[str, tuple[str, ShardId]]) -> None:
         """Route original linears' tensors into the shards of a fused linear."""
         self.stacked.update(stacked)
 
+    def add_renamed(self, renamed: dict[str, str]) -> None:
+        """Load the tensors under some checkpoint prefixes into other layers."""
+        self.renamed.update(renamed)
+
     def mapper(self) -> WeightsMapper:
         """Checkpoint names -> the backend's parameter names (`hf_to_vllm_mapper`)."""
-        regex: dict[re.Pattern, str | None] = {}
+        regex: dict[re.Pattern, str | None] = dict(self.per_expert)
         if self.base_prefix and self.base_prefix != BASE:
             regex[re.compile(rf"^{re.escape(self.base_prefix)}\.")] = f"{BASE}."
         if self.base_children:
@@ -88,6 +100,7 @@ class CheckpointLayout:
             orig_to_new_renaming=self.renamings,
             orig_to_new_regex=regex,
             orig_to_new_stacked=self.stacked,
+            orig_to_new_prefix=self.renamed,
         )
 
     def unneeded(self, name: str) -> str | None:
@@ -136,6 +149,12 @@ class CheckpointLayout:
             for name, module in model.named_modules()
             if isinstance(module, PPMissingLayer)
         )
+        # A layer with its own loader (vLLM's fused MoE) checks its own names.
+        self_loading = tuple(
+            f"{name}."
+            for name, module in model.named_modules()
+            if name and callable(getattr(module, "load_weights", None))
+        )
         skipped: set[str] = set()
 
         def skip(reason: str, name: str) -> None:
@@ -155,7 +174,9 @@ class CheckpointLayout:
 
         def checked(mapped: Iterable[tuple[str, torch.Tensor]]):
             for name, tensor in mapped:
-                if name not in loadable and not name.startswith(elsewhere):
+                if name not in loadable and not name.startswith(
+                    elsewhere + self_loading
+                ):
                     if self._past_last_layer(name):
                         skip("multi-token-prediction layers past the last one", name)
                         continue
@@ -173,3 +194,27 @@ class CheckpointLayout:
         return AutoWeightsLoader(model).load_weights(
             checked(mapper.apply(needed(weights)))
         )
+
+
+def _per_expert_names(conversions: list) -> dict[re.Pattern, str]:
+    """Renames for per-expert checkpoint tensors that Transformers stacks into one
+    experts parameter (`MergeModulelist(dim=0)`, then for several sources
+    `Concatenate(dim=1)` in their order): `experts.<e>.gate_proj.weight` ->
+    `experts.<e>.gate_up_proj.0`. Other conversions are not per-expert stacks."""
+    renames: dict[re.Pattern, str] = {}
+    for conversion in conversions:
+        if not isinstance(conversion, WeightConverter):
+            continue
+        operations = [(type(op), getattr(op, "dim", None)) for op in conversion.operations]
+        stacked = [(MergeModulelist, 0)]
+        if operations not in (stacked, [*stacked, (Concatenate, 1)]):
+            continue
+        (target,) = conversion.target_patterns
+        parameter = target.rpartition(".")[2]
+        for shard, source in enumerate(conversion.source_patterns):
+            before, star, after = source.partition("*")
+            if not star or not before.endswith(".") or not after.startswith("."):
+                continue
+            pattern = re.compile(f"{re.escape(before)}(\\d+){re.escape(after)}$")
+            renames[pattern] = f"{before}\\1.{parameter}.{shard}"
+    return renames

@@ -8,6 +8,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
     RewriteFuser,
     StackedFuser,
 )
+from vllm.model_executor.models.transformers.fusers.experts import ExpertsFuser
 from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
@@ -24,12 +25,14 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     GLUFuser,
     RMSNormFuser,
     AttentionFuser,
+    ExpertsFuser,
 )
 
 __all__ = [
     "FUSER_CLASSES",
     "AttentionFuser",
     "BaseFuser",
+    "ExpertsFuser",
     "GLUFuser",
     "MLAFuser",
     "PackedQKVFuser",

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""End to end on the CPU engine: mixture-of-experts models equal Transformers' own
+output, their experts served by vLLM's fused MoE (`experts.py`).
+
+Same harness as `test_coverage.py`: tiny float32 checkpoints (`tiny.py`, whose recipes
+say what each one exercises), greedy tokens equal to Transformers' `generate`,
+logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation, TP) and
+`E2E_IMPL` to run vLLM's stock backend or native model instead.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+from tiny import cached_reference as reference  # noqa: E402
+from tiny import compare, report  # noqa: E402
+
+ARCHS = [
+    "qwen3_moe",
+    "mixtral",
+    "qwen2_moe",
+    "olmoe",
+    "flex_olmo",
+    "hunyuan_v1_moe",
+    "mellum",
+    "gpt_oss",
+]
+
+E2E_IMPL = tiny.e2e_impl()
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_reference_is_well_separated(model_type):
+    """Greedy choices must not hinge on float32 noise."""
+    tiny.check_well_separated(model_type)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_matches_transformers(model_type):
+    """Greedy tokens equal Transformers' `generate`; logprobs agree."""
+    run = tiny.shared_engine(model_type, E2E_IMPL)
+    gap = compare(reference(model_type), run.completions)
+    report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
