@@ -70,8 +70,11 @@ _PROBE_WIDTH = 16
 
 def _probe() -> torch.Tensor:
     """Inputs for a gate: float64, wide enough to pass any clamp vLLM applies."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 2 * _PROBE_WIDTH, generator=generator, dtype=torch.float64)
+    # On the CPU whatever the default device: the report builds models on `meta`.
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(
+        64, 2 * _PROBE_WIDTH, generator=generator, dtype=torch.float64, device="cpu"
+    )
     return x * 6
 
 
