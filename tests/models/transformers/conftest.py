@@ -145,8 +145,14 @@ def equivalent(fuse) -> Callable[..., tuple[nn.Module, list[BaseFuser]]]:
 
 
 def _fuse(
-    module: nn.Module, vllm_config: VllmConfig, dtype: torch.dtype
+    module: nn.Module,
+    vllm_config: VllmConfig,
+    dtype: torch.dtype,
+    attach: Callable[[nn.Module, list[BaseFuser]], None] | None = None,
 ) -> tuple[nn.Module, list[BaseFuser]]:
+    """`module` fused under `vllm_config`, `attach(fused, applied)` run before the
+    weights load (what the backend attaches, such as latent attention, may change
+    how they are processed), its original weights loaded; and the fusers applied."""
     weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
     parent = nn.Module()
     parent.m = module
@@ -162,6 +168,8 @@ def _fuse(
             stacked.update(fuser.stacked_weights("m"))
     finally:
         torch.set_default_dtype(default)
+    if attach is not None:
+        attach(parent.m, applied)
     mapper = WeightsMapper(orig_to_new_stacked=stacked)
     AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))
     for layer in parent.modules():
@@ -170,11 +178,13 @@ def _fuse(
     return parent.m, applied
 
 
-def randomize(module: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+def randomize(
+    module: nn.Module, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.Module:
     """`module` in `dtype` with every parameter random, so zero- or one-initialised
     weights (norms, biases) are exercised too."""
     module = module.to(dtype)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in module.parameters():
             param.copy_(
