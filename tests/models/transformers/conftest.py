@@ -4,6 +4,7 @@ clean fuser registry per test; fusing a module the way the backend does and load
 the original weights into the result through vLLM's weight loaders."""
 
 import copy
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,10 +98,18 @@ def vllm_config(_session_vllm_config: VllmConfig) -> Iterator[VllmConfig]:
 @pytest.fixture(autouse=True)
 def clean_registry() -> Iterator[None]:
     """Each test finds its fusers afresh: the registry caches by class and children,
-    and tests reuse classes with other shapes."""
+    and tests reuse classes with other shapes. Every fusion a test's class analyses
+    declined must say why and where (`file:line`)."""
     registry.clear_cache()
     yield
+    unexplained = [
+        declined
+        for analysis in registry.analysed()
+        for declined in analysis.declined
+        if not declined.reason.strip() or not re.fullmatch(r".+:\d+", declined.location)
+    ]
     registry.clear_cache()
+    assert not unexplained, f"declined without a reason or a location: {unexplained}"
 
 
 @pytest.fixture
