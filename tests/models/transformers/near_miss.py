@@ -59,7 +59,8 @@ class GatedQuery(Attention):
 
 class KeyValueOfAnotherInput(Attention):
     def forward(self, x, context):
-        return self.o_proj(attend(self.q_proj(x), self.k_proj(context), self.v_proj(context)))
+        k, v = self.k_proj(context), self.v_proj(context)
+        return self.o_proj(attend(self.q_proj(x), k, v))
 
 
 class InputRebound(Attention):
@@ -108,7 +109,8 @@ class QueryProjectedTwice(Attention):
 
     def forward(self, x):
         x = self.up(x)
-        out = attend(self.q_proj(x), self.k_proj(x[..., :HIDDEN]), self.v_proj(x[..., :HIDDEN]))
+        narrow = x[..., :HIDDEN]
+        out = attend(self.q_proj(x), self.k_proj(narrow), self.v_proj(narrow))
         return self.o_proj(self.q_proj(out))
 
 
@@ -434,15 +436,21 @@ class NearMiss:
 
 
 CORPUS: dict[str, NearMiss] = {
-    "qkv-gated-query": NearMiss(GatedQuery, "QKVFuser", "q is 64 wide but the attention gets"),
+    "qkv-gated-query": NearMiss(
+        GatedQuery, "QKVFuser", "q is 64 wide but the attention gets"
+    ),
     "qkv-key-value-of-another-input": NearMiss(
         KeyValueOfAnotherInput, "QKVFuser", "read different inputs"
     ),
-    "qkv-input-rebound-between": NearMiss(InputRebound, "QKVFuser", "read different inputs"),
+    "qkv-input-rebound-between": NearMiss(
+        InputRebound, "QKVFuser", "read different inputs"
+    ),
     "qkv-input-written-in-place-between": NearMiss(
         InputWrittenInPlace, "QKVFuser", "`x` changes between"
     ),
-    "qkv-one-bias": NearMiss(OneBias, "QKVFuser", "some of the projections have a bias"),
+    "qkv-one-bias": NearMiss(
+        OneBias, "QKVFuser", "some of the projections have a bias"
+    ),
     "qkv-value-of-the-query": NearMiss(
         ValueOfTheQuery, "QKVFuser", "nor the value from the key's"
     ),
@@ -450,7 +458,9 @@ CORPUS: dict[str, NearMiss] = {
         QueryProjectedTwice, "QKVFuser", "q_proj is called 2 times"
     ),
     "qkv-forward-with-super": NearMiss(
-        ClosureForward, "QKVFuser", "forward not rewritten: ClosureForward.forward uses free"
+        ClosureForward,
+        "QKVFuser",
+        "forward not rewritten: ClosureForward.forward uses free",
     ),
     "qkv-scaled-key": NearMiss(ScaledKey, "QKVFuser"),
     "qkv-names-say-otherwise": NearMiss(NamesSayOtherwise, "QKVFuser"),
@@ -461,21 +471,31 @@ CORPUS: dict[str, NearMiss] = {
     "packed-with-a-gap": NearMiss(
         PackedWithAGap, "PackedQKVFuser", "do not cover the packed output once"
     ),
-    "glu-gate-over-up": NearMiss(GateOverUp, "GLUFuser", "combined by truediv, not multiplied"),
-    "glu-up-minus-gate": NearMiss(UpMinusGate, "GLUFuser", "combined by sub, not multiplied"),
-    "glu-relu": NearMiss(ReluGate, "GLUFuser", "no fused act-and-mul for the activation"),
+    "glu-gate-over-up": NearMiss(
+        GateOverUp, "GLUFuser", "combined by truediv, not multiplied"
+    ),
+    "glu-up-minus-gate": NearMiss(
+        UpMinusGate, "GLUFuser", "combined by sub, not multiplied"
+    ),
+    "glu-relu": NearMiss(
+        ReluGate, "GLUFuser", "no fused act-and-mul for the activation"
+    ),
     "glu-up-of-one-feature": NearMiss(
         UpOfOneFeature, "GLUFuser", "gate_proj and up_proj differ in width"
     ),
     "glu-gate-also-returned": NearMiss(GateAlsoReturned, "GLUFuser", "used elsewhere"),
     "glu-activation-chosen-in-forward": NearMiss(
-        ActivationChosenInForward, "GLUFuser", "the activation is chosen while the forward"
+        ActivationChosenInForward,
+        "GLUFuser",
+        "the activation is chosen while the forward",
     ),
     "glu-input-written-between": NearMiss(
         InputWrittenBetweenGateAndUp, "GLUFuser", "`x` changes between"
     ),
     "glu-up-times-gate-bound": NearMiss(UpTimesGateBound, "GLUFuser"),
-    "norm-over-tokens": NearMiss(NormOverTokens, "RMSNormFuser", "the mean is over dim=1"),
+    "norm-over-tokens": NearMiss(
+        NormOverTokens, "RMSNormFuser", "the mean is over dim=1"
+    ),
     "norm-layer-norm-named-rms-norm": NearMiss(
         LayerNormNamedRMSNorm, "RMSNormFuser", "it does not normalise its first input"
     ),
@@ -511,5 +531,7 @@ CORPUS: dict[str, NearMiss] = {
     "attention-computed-scale": NearMiss(
         ComputedScale, "AttentionFuser", refused="passes scaling=1 / self.head_dim"
     ),
-    "attention-two-calls": NearMiss(TwoInterfaceCalls, "AttentionFuser", "calls it 2 times"),
+    "attention-two-calls": NearMiss(
+        TwoInterfaceCalls, "AttentionFuser", "calls it 2 times"
+    ),
 }

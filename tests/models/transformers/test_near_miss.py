@@ -13,7 +13,6 @@ import pytest
 import torch
 from configs import small_config
 from near_miss import CORPUS
-from torch import nn
 from transformers import AutoModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -54,7 +53,9 @@ def test_near_miss_is_declined_naming_the_module_and_the_code_that_decided(
     module = case.build()
     plan = registry.Fusers(module, vllm_config)
     assert case.fuser not in [type(f).__name__ for f in plan[module]]
-    (declined,) = [d for d in registry.analyse(module).declined if d.fuser == case.fuser]
+    (declined,) = [
+        d for d in registry.analyse(module).declined if d.fuser == case.fuser
+    ]
     assert declined.module_class == type(module).__name__
     assert case.declined in declined.reason
     assert_located(declined.location)
@@ -69,7 +70,9 @@ def test_report_shows_the_same_reason_and_location(name, vllm_config):
     module = case.build()
     report = FusionReport(model=name)
     report.record_plan(registry.Fusers(module, vllm_config))
-    (declined,) = [d for d in registry.analyse(module).declined if d.fuser == case.fuser]
+    (declined,) = [
+        d for d in registry.analyse(module).declined if d.fuser == case.fuser
+    ]
     text = render(report, Style(False))
     assert f"  {type(module).__name__} (" in text
     assert f"declined {case.fuser}: {declined.reason} ({declined.location})" in text

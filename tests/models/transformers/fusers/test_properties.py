@@ -187,7 +187,10 @@ def materialised(
     there (as the backend builds it), then materialised on the CPU in `dtype` with
     random weights, 1-D ones (norm weights, biases) included."""
     if model_type in MHA_ONLY:
-        overrides = {**overrides, "num_key_value_heads": overrides["num_attention_heads"]}
+        overrides = {
+            **overrides,
+            "num_key_value_heads": overrides["num_attention_heads"],
+        }
     config = small_config(
         model_type,
         num_hidden_layers=1,

@@ -256,7 +256,8 @@ class AttentionFuser(BaseFuser):
             ("num_kv_heads", "num_heads"),
             ("head_size_v", "head_size"),
         ):
-            if self.attributes[name] is None and self.traced[name] == self.traced[other]:
+            traced = self.traced[name]
+            if self.attributes[name] is None and traced == self.traced[other]:
                 self.same_as[name] = other
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
