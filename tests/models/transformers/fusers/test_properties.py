@@ -43,13 +43,13 @@ from vllm.model_executor.models.transformers.fusers import (
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 PROPERTY = settings(
-    max_examples=6,
+    max_examples=10,
     deadline=None,
     derandomize=True,
     # The fixtures (a vLLM config, the fuse helper) hold no per-example state.
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-FEW = settings(PROPERTY, max_examples=3)
+FEW = settings(PROPERTY, max_examples=5)
 
 FUSABLE_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 ACTIVATIONS = (*FUSABLE_ACTIVATIONS, "relu")
@@ -225,7 +225,11 @@ def fuse_all(
 
 
 def run(module: nn.Module, *args, **kwargs) -> torch.Tensor:
-    with torch.no_grad():
+    """`module`'s (first) output. Eagerly: vLLM compiles the native forward of some
+    of its layers on its own (`CustomOp.maybe_compile`, SiluAndMul's); over the
+    hundreds of shapes and dtypes here, in one process, dynamo reaches its recompile
+    limit and fails inside PyTorch. The function computed is the same."""
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         out = module(*args, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
