@@ -4,6 +4,7 @@ clean fuser registry per test; fusing a module the way the backend does and load
 the original weights into the result through vLLM's weight loaders."""
 
 import copy
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,10 +98,18 @@ def vllm_config(_session_vllm_config: VllmConfig) -> Iterator[VllmConfig]:
 @pytest.fixture(autouse=True)
 def clean_registry() -> Iterator[None]:
     """Each test finds its fusers afresh: the registry caches by class and children,
-    and tests reuse classes with other shapes."""
+    and tests reuse classes with other shapes. Every fusion a test's class analyses
+    declined must say why and where (`file:line`)."""
     registry.clear_cache()
     yield
+    unexplained = [
+        declined
+        for analysis in registry.analysed()
+        for declined in analysis.declined
+        if not declined.reason.strip() or not re.fullmatch(r".+:\d+", declined.location)
+    ]
     registry.clear_cache()
+    assert not unexplained, f"declined without a reason or a location: {unexplained}"
 
 
 @pytest.fixture
@@ -145,8 +154,14 @@ def equivalent(fuse) -> Callable[..., tuple[nn.Module, list[BaseFuser]]]:
 
 
 def _fuse(
-    module: nn.Module, vllm_config: VllmConfig, dtype: torch.dtype
+    module: nn.Module,
+    vllm_config: VllmConfig,
+    dtype: torch.dtype,
+    attach: Callable[[nn.Module, list[BaseFuser]], None] | None = None,
 ) -> tuple[nn.Module, list[BaseFuser]]:
+    """`module` fused under `vllm_config`, `attach(fused, applied)` run before the
+    weights load (what the backend attaches, such as latent attention, may change
+    how they are processed), its original weights loaded; and the fusers applied."""
     weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
     parent = nn.Module()
     parent.m = module
@@ -162,6 +177,8 @@ def _fuse(
             stacked.update(fuser.stacked_weights("m"))
     finally:
         torch.set_default_dtype(default)
+    if attach is not None:
+        attach(parent.m, applied)
     mapper = WeightsMapper(orig_to_new_stacked=stacked)
     AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))
     for layer in parent.modules():
@@ -170,11 +187,13 @@ def _fuse(
     return parent.m, applied
 
 
-def randomize(module: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+def randomize(
+    module: nn.Module, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> nn.Module:
     """`module` in `dtype` with every parameter random, so zero- or one-initialised
     weights (norms, biases) are exercised too."""
     module = module.to(dtype)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in module.parameters():
             param.copy_(

@@ -262,3 +262,33 @@ def test_heads_that_disagree_with_the_projections_are_an_error():
     module.head_dim = 16  # the projections still produce heads of 32
     with pytest.raises(ValueError, match=r"q_proj computes the q 128 wide"):
         fuser.attention_needs(module, None)
+
+
+def test_mha_key_value_heads_are_each_instances_own():
+    # GPT-2 holds no key/value head count: it equalled the query heads on the
+    # instance the class was analysed on, so it is each instance's query heads,
+    # not the analysed instance's number (a draft model beside its target).
+    small, large = (
+        meta_model("gpt2", n_head=heads, n_embd=64).h[0].attn for heads in (2, 4)
+    )
+    fuser = get_fuser(small, AttentionFuser)
+    assert get_fuser(large, AttentionFuser) is fuser
+    assert fuser.same_as == {"num_kv_heads": "num_heads"}
+    needs = fuser.attention_needs(large, None)
+    assert (needs.num_heads, needs.num_kv_heads, needs.head_size) == (4, 4, 16)
+
+
+def test_gpt_bigcode_key_value_heads_follow_multi_query():
+    mha, mqa = (
+        meta_model("gpt_bigcode", n_head=4, n_embd=64, multi_query=multi).h[0].attn
+        for multi in (False, True)
+    )
+    fuser = get_fuser(mha, AttentionFuser)
+    assert fuser.attention_needs(mqa, None).num_kv_heads == 1
+
+
+def test_module_that_is_not_causal_gets_encoder_only_attention():
+    # Without an `is_causal=` argument the interface reads the module's attribute.
+    module = _calling("scaling=1.0")(is_causal=False)
+    assert _needs(module).causal is False
+    assert _needs(_calling("scaling=1.0")()).causal is True

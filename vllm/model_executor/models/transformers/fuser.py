@@ -64,13 +64,16 @@ class ClassAnalysis:
     declined: tuple[Declined, ...]
 
 
-def _failure(fuser_cls: type[BaseFuser], module: nn.Module, error: Exception) -> Declined:
-    """A fuser that raised, declined with the error and where it was raised."""
+def _raised(
+    fuser_cls: type[BaseFuser], module: nn.Module, error: Exception, reason: str
+) -> Declined:
+    """A fusion declined by `error`, located where it was raised (the code that
+    decided, not the registry that caught it)."""
     frame = traceback.extract_tb(error.__traceback__)[-1]
     return Declined(
         fuser=fuser_cls.__name__,
         module_class=type(module).__name__,
-        reason=f"analysis failed: {type(error).__name__}: {error}",
+        reason=reason,
         location=f"{frame.filename}:{frame.lineno}",
     )
 
@@ -94,9 +97,10 @@ def _match(
             found.update_forward(module)
         return found
     except FusionDeclined as reason:
-        return fuser_cls.decline(module, f"forward not rewritten: {reason}")
+        return _raised(fuser_cls, module, reason, f"forward not rewritten: {reason}")
     except Exception as error:  # noqa: BLE001 - fail closed: the model stays unfused
-        return _failure(fuser_cls, module, error)
+        reason = f"analysis failed: {type(error).__name__}: {error}"
+        return _raised(fuser_cls, module, error, reason)
 
 
 _analyses: dict[Key, ClassAnalysis] = {}

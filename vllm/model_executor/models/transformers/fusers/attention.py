@@ -178,6 +178,10 @@ class AttentionFuser(BaseFuser):
     holds it on the traced instance, if any."""
     traced: dict[str, int] = field(default_factory=dict)
     """The same four values as seen at the call on the traced instance."""
+    same_as: dict[str, str] = field(default_factory=dict)
+    """`num_kv_heads` -> `num_heads`, `head_size_v` -> `head_size` where no attribute
+    holds the first but it equalled the second on the traced instance (MHA, values
+    as wide as keys): each instance's own, not the traced instance's number."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -248,6 +252,13 @@ class AttentionFuser(BaseFuser):
             name: attribute_holding(module, paths, self.traced[name])
             for name, paths in candidates.items()
         }
+        for name, other in (
+            ("num_kv_heads", "num_heads"),
+            ("head_size_v", "head_size"),
+        ):
+            traced = self.traced[name]
+            if self.attributes[name] is None and traced == self.traced[other]:
+                self.same_as[name] = other
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         # Only modules whose config was patched to dispatch into vLLM: this is what
@@ -282,12 +293,16 @@ class AttentionFuser(BaseFuser):
         name: str,
         fallbacks: tuple[str, ...],
         default: int | None = None,
+        same: int | None = None,
     ) -> int:
         """This instance's `name` (a head size or count): the attribute that held it
-        on the traced instance, else the value traced, else the first of
-        `fallbacks` that holds a positive integer, else `default`."""
+        on the traced instance, else `same` (this instance's value of what it equalled
+        there, `same_as`), else the value traced, else the first of `fallbacks` that
+        holds a positive integer, else `default`."""
         if (attribute := self.attributes.get(name)) is not None:
             value = resolve(module, attribute)
+        elif name in self.same_as and same is not None:
+            value = same
         elif name in self.traced:
             value = self.traced[name]
         else:
@@ -417,9 +432,9 @@ class AttentionFuser(BaseFuser):
         head_size = self.head_size(module)
         num_heads = self._value(module, "num_heads", NUM_HEADS_ATTRIBUTES)
         num_kv_heads = self._value(
-            module, "num_kv_heads", NUM_KV_HEADS_ATTRIBUTES, num_heads
+            module, "num_kv_heads", NUM_KV_HEADS_ATTRIBUTES, num_heads, same=num_heads
         )
-        head_size_v = self._value(module, "head_size_v", (), head_size)
+        head_size_v = self._value(module, "head_size_v", (), head_size, same=head_size)
         self._check_widths(module, num_heads, num_kv_heads, head_size, head_size_v)
         soft_cap = None
         if "softcap" in self.arguments:
@@ -446,10 +461,12 @@ class AttentionFuser(BaseFuser):
                     "vLLM's attention takes sinks only from a parameter of the module "
                     "(`s_aux=self.<parameter>`)."
                 )
-        causal = True
+        # As the interface reads it: the argument, else the module's `is_causal`.
+        causal = None
         if "is_causal" in self.arguments:
-            value = self._argument(module, "is_causal")
-            causal = value is None or bool(value)
+            causal = self._argument(module, "is_causal")
+        if causal is None:
+            causal = getattr(module, "is_causal", True)
         return AttentionNeeds(
             layer_index=self.layer_index(module),
             num_heads=num_heads,
@@ -460,7 +477,7 @@ class AttentionFuser(BaseFuser):
             sliding_window=self.sliding_window(module),
             logits_soft_cap=None if soft_cap is None else float(soft_cap),
             sinks=sinks,
-            causal=causal,
+            causal=bool(causal),
             sources=dict(self.sources),
         )
 

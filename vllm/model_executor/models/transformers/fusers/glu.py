@@ -93,6 +93,27 @@ def _activation_source(act: fx.Node, module: nn.Module) -> str | Declined:
     )
 
 
+def _gate_and_up(
+    node: fx.Node, module: nn.Module
+) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """`(act, gate, up)` where `node` combines `act(gate(x))` and `up(x)`, two
+    linears of one input, by an operation on the two (a product, in a GLU)."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    if len(node.all_input_nodes) != 2 or len(node.args) != 2:
+        return None
+    for act, up in (node.args, node.args[::-1]):
+        gate = act.args[0] if isinstance(act, fx.Node) and act.args else None
+        if (
+            fx_utils.is_linear(up, module)
+            and fx_utils.is_linear(gate, module)
+            and gate is not up
+            and gate.args[0] is up.args[0]
+        ):
+            return act, gate, up
+    return None
+
+
 def _describe(node: fx.Node) -> str:
     return (
         node.target if node.op == "call_module" else fx_utils.op_name(node) or node.name
@@ -133,18 +154,17 @@ class GLUFuser(StackedFuser):
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
         if graph is None:
             return None
-        for product in graph.nodes:
-            if fx_utils.op_name(product) != "mul" or len(product.all_input_nodes) != 2:
-                continue
-            for act, up in (product.args, product.args[::-1]):
-                gate = act.args[0] if isinstance(act, fx.Node) and act.args else None
-                if (
-                    fx_utils.is_linear(up, module)
-                    and fx_utils.is_linear(gate, module)
-                    and gate is not up
-                    and gate.args[0] is up.args[0]
-                ):
-                    return cls._gated(graph, module, product, act, gate, up)
+        pairs = [(n, pair) for n in graph.nodes if (pair := _gate_and_up(n, module))]
+        for node, (act, gate, up) in pairs:
+            if fx_utils.op_name(node) == "mul":
+                return cls._gated(graph, module, node, act, gate, up)
+        if pairs:
+            node, (act, gate, up) = pairs[0]
+            return cls.decline(
+                module,
+                f"{gate.target}(x) through {_describe(act)} and {up.target}(x) are "
+                f"combined by {fx_utils.op_name(node) or node.name}, not multiplied",
+            )
         return None
 
     @classmethod

@@ -27,6 +27,7 @@ NUM_HEADS_ATTRIBUTES = (
 NUM_KV_HEADS_ATTRIBUTES = (
     "num_key_value_heads",
     "num_kv_heads",
+    "kv_heads",
     "config.num_key_value_heads",
 )
 V_HEAD_SIZE_ATTRIBUTES = ("v_head_dim", *HEAD_SIZE_ATTRIBUTES)
