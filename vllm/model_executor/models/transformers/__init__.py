@@ -14,6 +14,10 @@ from vllm.model_executor.models.transformers.attention import (
     vllm_mla_attention_forward,
 )
 from vllm.model_executor.models.transformers.causal import CausalMixin
+from vllm.model_executor.models.transformers.pooling import (
+    EmbeddingMixin,
+    SequenceClassificationMixin,
+)
 
 AttentionInterface.register("vllm", vllm_attention_forward)
 AttentionInterface.register("vllm_mla", vllm_mla_attention_forward)
@@ -21,6 +25,14 @@ AttentionInterface.register("vllm_mla", vllm_mla_attention_forward)
 
 class TransformersForCausalLM(CausalMixin):
     """A dense causal LM from Transformers."""
+
+
+class TransformersEmbeddingModel(EmbeddingMixin):
+    """A dense embedding model from Transformers: an encoder or a decoder."""
+
+
+class TransformersForSequenceClassification(SequenceClassificationMixin):
+    """A dense sequence classifier (and cross-encoder) from Transformers."""
 
 
 class NotYetSupported(CausalMixin):
@@ -58,17 +70,11 @@ TransformersMultiModalForCausalLM = _not_yet_supported(
 TransformersMultiModalMoEForCausalLM = _not_yet_supported(
     "TransformersMultiModalMoEForCausalLM", "multimodal mixture-of-experts models"
 )
-TransformersEmbeddingModel = _not_yet_supported(
-    "TransformersEmbeddingModel", "embedding models"
-)
 TransformersMoEEmbeddingModel = _not_yet_supported(
     "TransformersMoEEmbeddingModel", "mixture-of-experts embedding models"
 )
 TransformersMultiModalEmbeddingModel = _not_yet_supported(
     "TransformersMultiModalEmbeddingModel", "multimodal embedding models"
-)
-TransformersForSequenceClassification = _not_yet_supported(
-    "TransformersForSequenceClassification", "sequence classification models"
 )
 TransformersMoEForSequenceClassification = _not_yet_supported(
     "TransformersMoEForSequenceClassification",

@@ -316,6 +316,7 @@ def attach_attention(
                 sliding_window=needs.sliding_window,
                 soft_cap=needs.logits_soft_cap,
                 mla=isinstance(attn, MLAAttention),
+                causal=needs.causal,
             )
         )
         logger.info(

@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.fusers.base import ShardId
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
+    StageMissingLayer,
     WeightsMapper,
 )
 
@@ -134,7 +135,9 @@ class CheckpointLayout:
         elsewhere = tuple(
             f"{name}."
             for name, module in model.named_modules()
-            if isinstance(module, PPMissingLayer)
+            # What another pipeline stage owns, and what vLLM's pooling adapters
+            # drop from a causal LM (`--convert embed|classify`: its LM head).
+            if isinstance(module, PPMissingLayer | StageMissingLayer)
         )
         skipped: set[str] = set()
 
