@@ -744,7 +744,11 @@ def _probe(model) -> dict[str, Any]:
     attached = []
     for name, module in model.named_modules():
         attn = getattr(module, "attn", None)
-        if attn is not None and type(attn).__name__ in ("Attention", "MLAAttention"):
+        if attn is not None and type(attn).__name__ in (
+            "Attention",
+            "EncoderOnlyAttention",
+            "MLAAttention",
+        ):
             impl = getattr(attn, "impl", None)
             attached.append(
                 dict(
