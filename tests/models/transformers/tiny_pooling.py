@@ -56,7 +56,7 @@ class Recipe:
     """The Transformers class the checkpoint is saved from (and names in its config)."""
     overrides: dict[str, Any]
     pooling: str | None = None
-    """Sentence Transformers pooling mode (`mean`, `cls`, `lasttoken`), embedders only."""
+    """Sentence Transformers pooling mode (`mean`, `cls`, `lasttoken`); embedders."""
     normalize: bool = False
     encoder: bool = True
     """BERT-style tokenizer (with token types for a pair) rather than `tiny`'s."""
@@ -159,7 +159,10 @@ def make_tokenizer(encoder: bool):
 
 def fingerprint(name: str) -> str:
     recipe = dict(
-        version=RECIPE_VERSION, seed=tiny.SEED, vocab=tiny.VOCAB, **asdict(RECIPES[name])
+        version=RECIPE_VERSION,
+        seed=tiny.SEED,
+        vocab=tiny.VOCAB,
+        **asdict(RECIPES[name]),
     )
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -184,14 +187,18 @@ def _random_model(recipe: Recipe):
 
 
 def _write_sentence_transformers(folder: Path, recipe: Recipe, hidden: int) -> None:
+    kinds = ["Transformer", "Pooling"] + ["Normalize"] * recipe.normalize
+    paths = ["", "1_Pooling", "2_Normalize"]
     modules = [
-        dict(idx=0, name="0", path="", type="sentence_transformers.models.Transformer"),
-        dict(idx=1, name="1", path="1_Pooling", type="sentence_transformers.models.Pooling"),
-    ]  # fmt: skip
+        dict(
+            idx=i,
+            name=str(i),
+            path=paths[i],
+            type=f"sentence_transformers.models.{kind}",
+        )
+        for i, kind in enumerate(kinds)
+    ]
     if recipe.normalize:
-        modules.append(
-            dict(idx=2, name="2", path="2_Normalize", type="sentence_transformers.models.Normalize")
-        )  # fmt: skip
         (folder / "2_Normalize").mkdir()
     (folder / "modules.json").write_text(json.dumps(modules, indent=2))
     (folder / "sentence_bert_config.json").write_text(
@@ -284,7 +291,25 @@ def cross_encoder_scores(path: Path, query: str, documents: list[str]):
     )
 
 
-# --- vLLM pooling engine, in a fresh interpreter ----------------------------------------
+def pair_scores(path: Path, query: str, documents: list[str], token_types: bool):
+    """The sigmoid of `AutoModelForSequenceClassification`'s one logit for each
+    (query, document) pair, with the tokenizer's token types or all of them 0."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    tokenizer = tiny.load_tokenizer(path)
+    scores = []
+    with torch.no_grad():
+        for document in documents:
+            pair = tokenizer(query, document, return_tensors="pt")
+            if not token_types:
+                pair["token_type_ids"] = torch.zeros_like(pair["token_type_ids"])
+            scores.append(torch.sigmoid(model(**pair).logits[0, 0]))
+    return torch.stack(scores)
+
+
+# --- vLLM pooling engine, in a fresh interpreter -----------------------------------
 
 
 @dataclass
@@ -336,12 +361,16 @@ def run_engine(
         except subprocess.TimeoutExpired:
             tiny.stop(process, grace=5)
             log, _ = process.communicate()
-            raise RuntimeError(f"engine did not finish in {timeout:.0f} s:\n{tiny._tail(log)}") from None
+            raise RuntimeError(
+                f"engine did not finish in {timeout:.0f} s:\n{tiny._tail(log)}"
+            ) from None
         finally:
             tiny.stop(process, grace=5)
         seconds = time.monotonic() - start
         if process.returncode != 0 or not out_file.is_file():
-            raise RuntimeError(f"engine exited with {process.returncode}:\n{tiny._failure(log)}")
+            raise RuntimeError(
+                f"engine exited with {process.returncode}:\n{tiny._failure(log)}"
+            )
         out = json.loads(out_file.read_text())
     return PoolingRun(out["outputs"], seconds, log, out["probe"], out["kv_cache"])
 

@@ -73,7 +73,8 @@ class FusionReport:
     servable: bool = True
     reason: str | None = None
     causal: bool = True
-    """Whether any layer's attention is causal (a pooling model's may be all encoder-only)."""
+    """Whether any layer's attention is causal (a pooling model's may all be
+    encoder-only)."""
     pooler: str | None = None
     """A pooling model's pooler: which token(s) it reads, normalised or not."""
     head: str | None = None

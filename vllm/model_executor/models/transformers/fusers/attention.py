@@ -432,7 +432,9 @@ class AttentionFuser(BaseFuser):
         attention functions decide it: the call's `is_causal=` where it passes one
         that is not `None`, else the module's own `is_causal` (BERT's and ModernBERT's
         encoders set it `False`), else causal."""
-        value = self._argument(module, "is_causal") if "is_causal" in self.arguments else None
+        value = None
+        if "is_causal" in self.arguments:
+            value = self._argument(module, "is_causal")
         if value is None:
             value = getattr(module, "is_causal", True)
         if not isinstance(value, bool):
