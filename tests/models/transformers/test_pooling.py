@@ -54,7 +54,9 @@ def test_encoders_get_encoder_only_attention_and_decoders_causal(
     build_backend, name, backend_class, causal
 ):
     model = build_backend(_recipe_config(name), backend_class=backend_class)
-    layers = [m.attn for m in model.modules() if hasattr(m, "attn")]
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
     assert len(layers) == 2
     expected = "Attention" if causal else "EncoderOnlyAttention"
     assert {type(layer).__name__ for layer in layers} == {expected}
