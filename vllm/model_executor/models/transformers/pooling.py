@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from vllm.logger import init_logger
 from vllm.model_executor.layers.pooler import DispatchPooler
 from vllm.model_executor.layers.pooler.seqwise.methods import get_seq_pooling_method
 from vllm.model_executor.models.interfaces import SupportsCrossEncoding
@@ -39,8 +38,6 @@ from vllm.sequence import IntermediateTensors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-logger = init_logger(__name__)
 
 
 def position_offset(base_model: nn.Module) -> int:
@@ -99,8 +96,12 @@ class PoolingMixin(VllmModelForPooling, Base):
         **kwargs,
     ) -> torch.Tensor | IntermediateTensors:
         # A model without token types ignores them, as its Transformers forward does.
-        if token_type_ids is not None and self.takes_token_types:
-            kwargs["token_type_ids"] = token_type_ids[None]
+        # One that takes them always gets a tensor (zeros: Transformers' default), so
+        # that one compiled graph serves requests with and without them.
+        if self.takes_token_types:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(positions)
+            kwargs["token_type_ids"] = token_type_ids.to(positions.dtype)[None]
         return super().forward(
             input_ids,
             positions + self.position_offset,
