@@ -9,6 +9,7 @@ encoder-only attention, no KV cache) and decoders (Qwen3: causal attention).
 
 import json
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -223,18 +224,21 @@ def _post(server: tiny.Server, route: str, body: dict) -> dict:
         data=json.dumps({"model": server.model, **body}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise AssertionError(f"{route}: {error.code} {error.read().decode()}") from None
 
 
-def _serve(name: str, tmp_path_factory):
+def _serve(name: str, tmp_path_factory, *extra_args: str):
     impl = _impl()
     return tiny.serve(
         tiny_pooling.build(name),
         model_impl=impl["model_impl"],
         backend=impl["backend"],
         log_dir=tmp_path_factory.mktemp(f"server-{name}"),
-        extra_args=("--runner", "pooling"),
+        extra_args=("--runner", "pooling", *extra_args),
     )
 
 
@@ -262,12 +266,14 @@ def test_served_bert_embeddings_answer_openai_as_sentence_transformers(
 def test_served_bert_cross_encoder_classifies_scores_and_reranks_as_transformers(
     tmp_path_factory,
 ):
+    """Compiled (vLLM's default), so one graph serves texts without token types
+    (classify) and pairs with them (score, rerank), in that order."""
     path = tiny_pooling.build("bert_classifier")
     logits = tiny_pooling.classifier_logits(path)
     scores = tiny_pooling.cross_encoder_scores(
         path, tiny_pooling.QUERY, tiny_pooling.DOCUMENTS
     )
-    with _serve("bert_classifier", tmp_path_factory) as server:
+    with _serve("bert_classifier", tmp_path_factory, "--no-enforce-eager") as server:
         classified = _post(
             server,
             "/classify",
@@ -283,6 +289,8 @@ def test_served_bert_cross_encoder_classifies_scores_and_reranks_as_transformers
             "/rerank",
             {"query": tiny_pooling.QUERY, "documents": tiny_pooling.DOCUMENTS},
         )
+        log = server.log()
+    assert "Dynamo bytecode transform time" in log, tiny._tail(log)
     rows = sorted(classified["data"], key=lambda d: d["index"])
     scored_rows = sorted(scored["data"], key=lambda d: d["index"])
     reranked_rows = sorted(reranked["results"], key=lambda r: r["index"])
