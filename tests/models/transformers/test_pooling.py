@@ -116,7 +116,7 @@ def test_report_names_the_pooler_the_head_and_encoder_only_attention(vllm_runtim
     assert built.head == "bert.pooler -> classifier (Linear, 1 labels)"
     assert not built.causal
     text = report.render(built, report.Style(False))
-    assert "Attention (encoder-only)" in text
+    assert "(BertSelfAttention) -> EncoderOnlyAttention, scale" in text
     assert "Pooler: CLS pooling (bert.pooler)" in text
 
 
@@ -290,7 +290,6 @@ def test_served_bert_cross_encoder_classifies_scores_and_reranks_as_transformers
             {"query": tiny_pooling.QUERY, "documents": tiny_pooling.DOCUMENTS},
         )
         log = server.log()
-    assert "Dynamo bytecode transform time" in log, tiny._tail(log)
     rows = sorted(classified["data"], key=lambda d: d["index"])
     scored_rows = sorted(scored["data"], key=lambda d: d["index"])
     reranked_rows = sorted(reranked["results"], key=lambda r: r["index"])
@@ -301,6 +300,9 @@ def test_served_bert_cross_encoder_classifies_scores_and_reranks_as_transformers
         rerank=_gap([row["relevance_score"] for row in reranked_rows], scores),
     )
     assert max(gaps.values()) <= ATOL, gaps
+    # vLLM's CPU engine compiles unless eager (`DYNAMO_TRACE_ONCE`: traced once, run
+    # without guards, so the graph must take token types on every call).
+    assert "Warming up model for the compilation" in log, tiny._tail(log)
     # The tiny model reads the second text's token types: without them its scores
     # move far beyond the tolerance, so equal scores mean they reached the model.
     untyped = tiny_pooling.pair_scores(

@@ -30,7 +30,10 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from vllm.model_executor.models.transformers import fusion_report
-from vllm.model_executor.models.transformers.fusion_report import FusionReport
+from vllm.model_executor.models.transformers.fusion_report import (
+    AttentionReport,
+    FusionReport,
+)
 
 PLACEHOLDER = AutoConfig.for_model(
     "llama",
@@ -195,6 +198,13 @@ def grouped(items: Iterable[tuple[int, str]]) -> Iterator[tuple[str, str]]:
         yield compact(indices), line
 
 
+def _attention_class(attention: AttentionReport) -> str:
+    """The vLLM attention layer the module got."""
+    if attention.mla:
+        return "MLAAttention"
+    return "Attention" if attention.causal else "EncoderOnlyAttention"
+
+
 def render(report: FusionReport, style: Style) -> str:
     lines = [style.head(f"Fusion report: {report.model}")]
     lines.append(style.head("\nModule classes"))
@@ -219,8 +229,7 @@ def render(report: FusionReport, style: Style) -> str:
         (
             a.layer_index,
             f"{a.module.replace(f'.{a.layer_index}.', '.{i}.')} ({a.module_class}) -> "
-            f"{'MLAAttention' if a.mla else 'Attention'}"
-            f"{'' if a.causal else ' (encoder-only)'}, scale {a.scale:.6g}, "
+            f"{_attention_class(a)}, scale {a.scale:.6g}, "
             f"sliding window {a.sliding_window}, soft-cap {a.soft_cap}",
         )
         for a in sorted(report.attention, key=lambda a: a.layer_index)
