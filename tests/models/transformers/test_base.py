@@ -78,8 +78,8 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
     [
         "TransformersMoEForCausalLM",
         "TransformersMultiModalForCausalLM",
-        "TransformersEmbeddingModel",
-        "TransformersForSequenceClassification",
+        "TransformersMoEEmbeddingModel",
+        "TransformersMoEForSequenceClassification",
     ],
 )
 def test_other_backend_classes_say_not_supported_and_name_the_switch(
@@ -89,7 +89,14 @@ def test_other_backend_classes_say_not_supported_and_name_the_switch(
         build_backend(small_config("llama"), backend_class=backend_class)
 
 
-BUILD_CODE = ("base.py", "attention.py", "causal.py", "loading.py", "fusion_report.py")
+BUILD_CODE = (
+    "base.py",
+    "attention.py",
+    "causal.py",
+    "pooling.py",
+    "loading.py",
+    "fusion_report.py",
+)
 
 
 @pytest.mark.parametrize("filename", BUILD_CODE)

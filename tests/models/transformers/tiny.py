@@ -796,7 +796,11 @@ def _probe(model) -> dict[str, Any]:
     attached = []
     for name, module in model.named_modules():
         attn = getattr(module, "attn", None)
-        if attn is not None and type(attn).__name__ in ("Attention", "MLAAttention"):
+        if attn is not None and type(attn).__name__ in (
+            "Attention",
+            "EncoderOnlyAttention",
+            "MLAAttention",
+        ):
             impl = getattr(attn, "impl", None)
             attached.append(
                 dict(
@@ -920,7 +924,11 @@ class Server:
 
 
 def server_command(
-    path: Path | str, port: int, *, model_impl: str = "transformers"
+    path: Path | str,
+    port: int,
+    *,
+    model_impl: str = "transformers",
+    extra_args: tuple[str, ...] = (),
 ) -> list[str]:
     """The OpenAI server on 127.0.0.1 for a tiny checkpoint.
 
@@ -937,6 +945,7 @@ def server_command(
         "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(1 << 30),
         "--enforce-eager",
+        *extra_args,
     ]  # fmt: skip
 
 
@@ -949,8 +958,10 @@ def serve(
     ready_timeout: float = 300,
     log_dir: Path | str | None = None,
     extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ):
-    """Start the server, wait (bounded) until `/health` answers, yield a `Server`, and
+    """Start the server (`extra_args` appended to `server_command`'s, such as
+    `--runner pooling`), wait (bounded) until `/health` answers, yield a `Server`, and
     always stop it (SIGTERM to its process group, then SIGKILL)."""
     port = free_port()
     env = dict(os.environ)
@@ -961,7 +972,7 @@ def serve(
     log_file = log_dir / "server.log"
     with open(log_file, "w") as log:
         process = subprocess.Popen(
-            server_command(path, port, model_impl=model_impl),
+            server_command(path, port, model_impl=model_impl, extra_args=extra_args),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -213,6 +213,31 @@ def test_is_causal_false_is_encoder_only_attention():
     assert _needs(_calling("is_causal=self.is_causal")(is_causal=True)).causal
 
 
+def test_without_an_is_causal_argument_the_modules_own_decides():
+    # BERT and ModernBERT set `self.is_causal = False` and pass no argument; as in
+    # Transformers' own attention functions, an argument of `None` defers to it too.
+    assert _needs(_calling("scaling=1.0")(is_causal=False)).causal is False
+    deferring = _calling("is_causal=self.flag")(flag=None, is_causal=False)
+    assert _needs(deferring).causal is False
+    assert _needs(_calling("scaling=1.0")()).causal is True
+
+
+def test_an_is_causal_that_is_not_a_bool_is_refused_naming_the_layer():
+    with pytest.raises(ValueError, match=r"Calling \(layer 2, .*\).* not a bool"):
+        _needs(_calling("scaling=1.0")(layer_idx=2, is_causal="yes"))
+
+
+def test_scaling_computed_from_attributes_resolves():
+    # ModernBERT: `scaling=self.head_dim**-0.5`.
+    assert _needs(_calling("scaling=self.head_dim**-0.5")(head_dim=16)).scale == 0.25
+    assert _needs(_calling("scaling=2 * self.s / 4")(s=0.5)).scale == 0.25
+
+
+def test_flash_attentions_deterministic_flag_is_honoured():
+    # ModernBERT passes `deterministic=`; it changes no value.
+    assert _needs(_calling("deterministic=self.flag")(flag=True)).layer_index == 0
+
+
 def test_per_call_sliding_window_and_softcap_are_the_instances():
     cls = _calling("sliding_window=self.sliding_window, softcap=self.cap")
     needs = _needs(cls(sliding_window=8, cap=30.0))

@@ -21,6 +21,10 @@ from vllm.model_executor.models.transformers.experts import (
     VLLM_EXPERTS,
     vllm_experts_forward,
 )
+from vllm.model_executor.models.transformers.pooling import (
+    EmbeddingMixin,
+    SequenceClassificationMixin,
+)
 
 AttentionInterface.register("vllm", vllm_attention_forward)
 AttentionInterface.register("vllm_mla", vllm_mla_attention_forward)
@@ -34,6 +38,14 @@ class TransformersForCausalLM(CausalMixin):
 class TransformersMoEForCausalLM(CausalMixin):
     """A mixture-of-experts causal LM from Transformers: its experts run on vLLM's
     fused MoE (`experts.py`), the rest as in a dense one."""
+
+
+class TransformersEmbeddingModel(EmbeddingMixin):
+    """A dense embedding model from Transformers: an encoder or a decoder."""
+
+
+class TransformersForSequenceClassification(SequenceClassificationMixin):
+    """A dense sequence classifier (and cross-encoder) from Transformers."""
 
 
 class NotYetSupported(CausalMixin):
@@ -68,17 +80,11 @@ TransformersMultiModalForCausalLM = _not_yet_supported(
 TransformersMultiModalMoEForCausalLM = _not_yet_supported(
     "TransformersMultiModalMoEForCausalLM", "multimodal mixture-of-experts models"
 )
-TransformersEmbeddingModel = _not_yet_supported(
-    "TransformersEmbeddingModel", "embedding models"
-)
 TransformersMoEEmbeddingModel = _not_yet_supported(
     "TransformersMoEEmbeddingModel", "mixture-of-experts embedding models"
 )
 TransformersMultiModalEmbeddingModel = _not_yet_supported(
     "TransformersMultiModalEmbeddingModel", "multimodal embedding models"
-)
-TransformersForSequenceClassification = _not_yet_supported(
-    "TransformersForSequenceClassification", "sequence classification models"
 )
 TransformersMoEForSequenceClassification = _not_yet_supported(
     "TransformersMoEForSequenceClassification",

@@ -14,7 +14,11 @@ from torch import nn
 
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention, MLAAttention
+from vllm.model_executor.layers.attention import (
+    Attention,
+    EncoderOnlyAttention,
+    MLAAttention,
+)
 from vllm.model_executor.layers.attention.mla_attention import get_mla_dims
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -22,7 +26,6 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.v1.attention.backend import AttentionType
 from vllm.model_executor.models.transformers.fusers.base import AttentionNeeds
 from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
@@ -291,7 +294,10 @@ def attach_attention(
             num_heads, num_kv_heads = heads_per_rank(site, tp_size)
             sinks = _sinks(site, num_heads, get_tensor_model_parallel_rank())
             extra = {} if sinks is None else {"sinks": sinks}
-            attn = Attention(
+            # Not `Attention(attn_type=ENCODER_ONLY)`: only this subclass's backend
+            # builds its metadata non-causal; the plain layer attends causally.
+            layer_class = Attention if needs.causal else EncoderOnlyAttention
+            attn = layer_class(
                 num_heads=num_heads,
                 head_size=needs.head_size,
                 scale=needs.scale,
@@ -300,9 +306,6 @@ def attach_attention(
                 quant_config=vllm_config.quant_config,
                 logits_soft_cap=needs.logits_soft_cap,
                 per_layer_sliding_window=needs.sliding_window,
-                attn_type=(
-                    AttentionType.DECODER if needs.causal else AttentionType.ENCODER_ONLY
-                ),
                 prefix=layer_prefix,
                 **extra,
             )
@@ -316,6 +319,7 @@ def attach_attention(
                 sliding_window=needs.sliding_window,
                 soft_cap=needs.logits_soft_cap,
                 mla=isinstance(attn, MLAAttention),
+                causal=needs.causal,
             )
         )
         logger.info(

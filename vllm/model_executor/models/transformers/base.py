@@ -14,6 +14,7 @@ Construction happens in this order, each step owned by one place:
 """
 
 import functools
+import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -159,12 +160,15 @@ def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
             "__qualname__": cls.__qualname__,
         },
     )
-    return support_torch_compile(
-        # HF models take a batch dimension: [1, tokens] ids, [1, tokens, hidden]
-        # embeddings, positions [1, tokens] (or [3, 1, tokens] for M-RoPE).
-        dynamic_arg_dims={"input_ids": 1, "inputs_embeds": 1, "position_ids": -1},
-        enable_if=_no_dynamic_rope,
-    )(subclass)
+    # HF models take a batch dimension: [1, tokens] ids, [1, tokens, hidden]
+    # embeddings, positions [1, tokens] (or [3, 1, tokens] for M-RoPE), and, for
+    # BERT-style models, token types [1, tokens].
+    dims = {"input_ids": 1, "inputs_embeds": 1, "position_ids": -1}
+    if "token_type_ids" in inspect.signature(cls.forward).parameters:
+        dims["token_type_ids"] = 1
+    return support_torch_compile(dynamic_arg_dims=dims, enable_if=_no_dynamic_rope)(
+        subclass
+    )
 
 
 def enable_compile(base_model: nn.Module, vllm_config: "VllmConfig") -> None:

@@ -44,6 +44,8 @@ class AttentionReport:
     sliding_window: int | None
     soft_cap: float | None
     mla: bool
+    causal: bool = True
+    """False for encoder-only (bidirectional) attention, which keeps no KV cache."""
 
 
 @dataclass
@@ -70,6 +72,13 @@ class FusionReport:
     """Fuser kind (`qkv`, `glu`, `rms_norm`...) -> instances it was applied to."""
     servable: bool = True
     reason: str | None = None
+    causal: bool = True
+    """Whether any layer's attention is causal (a pooling model's may all be
+    encoder-only)."""
+    pooler: str | None = None
+    """A pooling model's pooler: which token(s) it reads, normalised or not."""
+    head: str | None = None
+    """A classification model's head: its modules, in order, and its labels."""
 
     def record_module(
         self, module_class: str, matched: list[str], applied: list[str]
@@ -127,6 +136,8 @@ class FusionReport:
             f"{self.norms_fused} RMSNorms on vLLM's kernel; "
             f"{sum(not linear.planned for linear in self.linears)} linears replicated "
             "for lack of a tensor-parallel plan"
+            + (f"; pooler: {self.pooler}" if self.pooler else "")
+            + (f"; head: {self.head}" if self.head else "")
         )
 
     def to_json(self) -> dict:

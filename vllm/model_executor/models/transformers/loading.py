@@ -22,6 +22,7 @@ from vllm.model_executor.models.transformers.fusers.base import ShardId
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
+    StageMissingLayer,
     WeightsMapper,
 )
 
@@ -147,7 +148,9 @@ class CheckpointLayout:
         elsewhere = tuple(
             f"{name}."
             for name, module in model.named_modules()
-            if isinstance(module, PPMissingLayer)
+            # What another pipeline stage owns, and what vLLM's pooling adapters
+            # drop from a causal LM (`--convert embed|classify`: its LM head).
+            if isinstance(module, PPMissingLayer | StageMissingLayer)
         )
         # A layer with its own loader (vLLM's fused MoE) checks its own names.
         self_loading = tuple(

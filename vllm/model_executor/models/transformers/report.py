@@ -30,7 +30,10 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from vllm.model_executor.models.transformers import fusion_report
-from vllm.model_executor.models.transformers.fusion_report import FusionReport
+from vllm.model_executor.models.transformers.fusion_report import (
+    AttentionReport,
+    FusionReport,
+)
 
 PLACEHOLDER = AutoConfig.for_model(
     "llama",
@@ -91,7 +94,9 @@ def first_line(error: Exception) -> str:
 
 
 def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
-    """Build `TransformersForCausalLM` for `config` on `meta` and return its report."""
+    """Build the backend class vLLM would serve `config` with (a causal LM, an
+    embedding or a classification model) on `meta` and return its report. A model
+    folder is read as it is, so its Sentence Transformers pooling config counts."""
     from vllm.config import (
         DeviceConfig,
         LoadConfig,
@@ -100,14 +105,16 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         set_current_vllm_config,
     )
     from vllm.model_executor.models import transformers as backend
+    from vllm.model_executor.models.transformers.pooling import PoolingMixin
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with fusion_report.collect(name) as report, tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
+        source = name if Path(name).is_dir() else folder
         refused = None
         try:
             model_config = ModelConfig(
-                model=folder, model_impl="transformers", skip_tokenizer_init=True
+                model=source, model_impl="transformers", skip_tokenizer_init=True
             )
         except Exception as error:  # noqa: BLE001 - vLLM's checks raise many kinds
             refused = f"vLLM's registry refuses it before the backend runs: {first_line(error)}"
@@ -117,6 +124,12 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
             )
             model_config.hf_config = config
             model_config.hf_text_config = config.get_text_config()
+        served_class = getattr(backend, model_config._get_transformers_backend_cls())
+        built_class = (
+            served_class
+            if issubclass(served_class, PoolingMixin)
+            else backend.TransformersForCausalLM
+        )
         vllm_config = VllmConfig(
             model_config=model_config,
             device_config=DeviceConfig("cpu"),
@@ -128,13 +141,12 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
                 set_default_torch_dtype(model_config.dtype),
                 torch.device("meta"),
             ):
-                # The dense class analyses any model; a class this backend lacks
-                # yet (MoE, multimodal...) is the verdict, after the analysis.
-                backend.TransformersForCausalLM(vllm_config=vllm_config)
+                # The dense class analyses any other model; a class this backend
+                # lacks yet (MoE, multimodal...) is the verdict, after the analysis.
+                built_class(vllm_config=vllm_config)
         except Exception as error:  # noqa: BLE001 - the report says why, whatever it was
             if report.servable:
                 report.fail(f"{type(error).__name__}: {error}")
-        served_class = getattr(backend, model_config._get_transformers_backend_cls())
         if issubclass(served_class, backend.NotYetSupported) and report.servable:
             report.fail(served_class.reason())
         if refused is not None:
@@ -186,6 +198,13 @@ def grouped(items: Iterable[tuple[int, str]]) -> Iterator[tuple[str, str]]:
         yield compact(indices), line
 
 
+def _attention_class(attention: AttentionReport) -> str:
+    """The vLLM attention layer the module got."""
+    if attention.mla:
+        return "MLAAttention"
+    return "Attention" if attention.causal else "EncoderOnlyAttention"
+
+
 def render(report: FusionReport, style: Style) -> str:
     lines = [style.head(f"Fusion report: {report.model}")]
     lines.append(style.head("\nModule classes"))
@@ -210,7 +229,7 @@ def render(report: FusionReport, style: Style) -> str:
         (
             a.layer_index,
             f"{a.module.replace(f'.{a.layer_index}.', '.{i}.')} ({a.module_class}) -> "
-            f"{'MLAAttention' if a.mla else 'Attention'}, scale {a.scale:.6g}, "
+            f"{_attention_class(a)}, scale {a.scale:.6g}, "
             f"sliding window {a.sliding_window}, soft-cap {a.soft_cap}",
         )
         for a in sorted(report.attention, key=lambda a: a.layer_index)
@@ -230,6 +249,13 @@ def render(report: FusionReport, style: Style) -> str:
         note = "" if planned else style.bad("  (no tensor-parallel plan: replicated)")
         times = f" x{count}" if count > 1 else ""
         lines.append(f"  {module}: {layer_class} [{tp_style}]{times}{note}")
+    if report.pooler is not None:
+        lines.append(style.head("\nPooling"))
+        lines.append(f"  Pooler: {report.pooler}")
+        if report.head is not None:
+            lines.append(f"  Head: {report.head}")
+        attention = "causal" if report.causal else "encoder-only, no KV cache"
+        lines.append(f"  Attention: {attention}")
     verdict = style.good("SERVABLE") if report.servable else style.bad("NOT SERVABLE")
     lines.append(style.head("\nVerdict: ") + verdict)
     if report.reason:

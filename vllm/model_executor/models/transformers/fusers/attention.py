@@ -3,6 +3,7 @@
 """The module that calls the Transformers attention interface."""
 
 import ast
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
@@ -44,6 +45,7 @@ HONOURED = {
     "s_aux": "attention sinks (one logit per head)",
     "is_causal": "causal (True) or encoder-only, bidirectional (False) attention",
     "dropout": "dropout, which inference never applies",
+    "deterministic": "flash attention's deterministic mode, which changes no value",
     "attention_mask": "the mask, which vLLM's attention metadata replaces",
     "position_ids": "positions, which vLLM's attention metadata replaces",
     "output_attentions": "attention weights, which vLLM never returns (None)",
@@ -108,12 +110,29 @@ def _interface_locals(forward: ast.FunctionDef) -> set[str]:
 _UNRESOLVED = object()
 
 
+_ARITHMETIC = {
+    ast.Pow: operator.pow,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+"""Operators between resolved numbers an argument may use (`self.head_dim**-0.5`)."""
+
+
 def _resolve_argument(expression: ast.expr, module: nn.Module) -> object:
     """The value of an argument of the attention call on `module`: a literal,
-    `self.<attr>[.<attr>...]`, or `getattr(self..., "name", default)`;
-    `_UNRESOLVED` for anything else."""
+    `self.<attr>[.<attr>...]`, `getattr(self..., "name", default)`, or numbers of
+    those combined by `**`, `*` and `/`; `_UNRESOLVED` for anything else."""
     if isinstance(expression, ast.Constant):
         return expression.value
+    if isinstance(expression, ast.BinOp) and type(expression.op) in _ARITHMETIC:
+        left = _resolve_argument(expression.left, module)
+        right = _resolve_argument(expression.right, module)
+        if not (_is_number(left) and _is_number(right)):
+            return _UNRESOLVED
+        try:
+            return _ARITHMETIC[type(expression.op)](left, right)
+        except ArithmeticError:
+            return _UNRESOLVED
     if isinstance(expression, ast.UnaryOp) and isinstance(expression.op, ast.USub):
         value = _resolve_argument(expression.operand, module)
         return -value if isinstance(value, int | float) else _UNRESOLVED
@@ -423,6 +442,24 @@ class AttentionFuser(BaseFuser):
             return None
         return getattr(config, "sliding_window", None)
 
+    def causal(self, module: nn.Module) -> bool:
+        """Whether each token sees only those before it, decided as Transformers'
+        attention functions decide it: the call's `is_causal=` where it passes one
+        that is not `None`, else the module's own `is_causal` (BERT's and ModernBERT's
+        encoders set it `False`), else causal."""
+        value = None
+        if "is_causal" in self.arguments:
+            value = self._argument(module, "is_causal")
+        if value is None:
+            value = getattr(module, "is_causal", True)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{self.describe(module)}: its attention is causal or not by "
+                f"{value!r}, which is not a bool, so the backend cannot tell whether "
+                "vLLM's attention must be causal or encoder-only."
+            )
+        return value
+
     def attention_needs(
         self, module: nn.Module, vllm_config: "VllmConfig"
     ) -> AttentionNeeds:
@@ -461,12 +498,7 @@ class AttentionFuser(BaseFuser):
                     "vLLM's attention takes sinks only from a parameter of the module "
                     "(`s_aux=self.<parameter>`)."
                 )
-        # As the interface reads it: the argument, else the module's `is_causal`.
-        causal = None
-        if "is_causal" in self.arguments:
-            causal = self._argument(module, "is_causal")
-        if causal is None:
-            causal = getattr(module, "is_causal", True)
+        causal = self.causal(module)
         return AttentionNeeds(
             layer_index=self.layer_index(module),
             num_heads=num_heads,
