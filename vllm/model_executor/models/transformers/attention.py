@@ -291,21 +291,31 @@ def attach_attention(
             num_heads, num_kv_heads = heads_per_rank(site, tp_size)
             sinks = _sinks(site, num_heads, get_tensor_model_parallel_rank())
             extra = {} if sinks is None else {"sinks": sinks}
-            attn = Attention(
-                num_heads=num_heads,
-                head_size=needs.head_size,
-                scale=needs.scale,
-                num_kv_heads=num_kv_heads,
-                cache_config=vllm_config.cache_config,
-                quant_config=vllm_config.quant_config,
-                logits_soft_cap=needs.logits_soft_cap,
-                per_layer_sliding_window=needs.sliding_window,
-                attn_type=(
-                    AttentionType.DECODER if needs.causal else AttentionType.ENCODER_ONLY
-                ),
-                prefix=layer_prefix,
-                **extra,
-            )
+            try:
+                attn = Attention(
+                    num_heads=num_heads,
+                    head_size=needs.head_size,
+                    scale=needs.scale,
+                    num_kv_heads=num_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    quant_config=vllm_config.quant_config,
+                    logits_soft_cap=needs.logits_soft_cap,
+                    per_layer_sliding_window=needs.sliding_window,
+                    attn_type=(
+                        AttentionType.DECODER
+                        if needs.causal
+                        else AttentionType.ENCODER_ONLY
+                    ),
+                    prefix=layer_prefix,
+                    **extra,
+                )
+            except (AssertionError, ValueError) as error:
+                raise ValueError(
+                    f"Decoder layer {index}: {site.qualname} "
+                    f"({type(site.module).__name__}) needs {num_heads} query and "
+                    f"{num_kv_heads} key/value heads of size {needs.head_size}, "
+                    f"which vLLM's Attention refuses: {error}"
+                ) from error
         setattr(site.module, ATTN_ATTR, attn)
         report.attention.append(
             AttentionReport(
