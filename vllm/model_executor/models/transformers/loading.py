@@ -36,6 +36,7 @@ SHOWN = 5
 
 
 def _listed(names: Iterable[str]) -> str:
+    """`'a', 'b' and 3 more`: names for an error message, sorted."""
     ordered = sorted(names)
     shown = ", ".join(repr(n) for n in ordered[:SHOWN])
     more = len(ordered) - SHOWN
