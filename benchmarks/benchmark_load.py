@@ -67,7 +67,10 @@ def main() -> None:
                 result["seconds"].append(seconds)
                 result["outcomes"].append(outcomes)
                 result["rss_mib"].append(rss)
-                print(f"round {round_index}: {name}: {seconds:.2f} s, {rss} MiB", flush=True)
+                print(
+                    f"round {round_index}: {name}: {seconds:.2f} s, {rss} MiB",
+                    flush=True,
+                )
 
     summary = {}
     for name, result in results.items():
@@ -75,7 +78,7 @@ def main() -> None:
         unexpected = sum(o.unexpected is not None for o in outcomes)
         latencies = load.latency_summary(outcomes, sum(result["seconds"]))
         summary[name] = dict(
-            requests_per_s=statistics.median(len(requests) / s for s in result["seconds"]),
+            requests_per_s=len(requests) / statistics.median(result["seconds"]),
             p50_s=latencies["p50_s"],
             p99_s=latencies["p99_s"],
             rss_mib=result["rss_mib"],
@@ -86,7 +89,8 @@ def main() -> None:
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores (shared)"
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"\n{len(requests)} requests a round, {args.rounds} rounds; {when}; {machine}")
+    print(f"\n{len(requests)} requests a round, {args.rounds} rounds; {when}")
+    print(machine)
     print("| implementation | requests/s (median) | p50 latency | p99 latency | "
           "RSS after each round (MiB) | failed |")
     print("|---|---:|---:|---:|---|---:|")
@@ -96,7 +100,7 @@ def main() -> None:
             f"{row['p50_s']:.2f} s | {row['p99_s']:.2f} s | "
             f"{', '.join(map(str, row['rss_mib']))} | {row['unexpected']} |"
         )
-    print(f"completions differing between the two (last round): {differing}/{len(valid)}")
+    print(f"completions differing between the two: {differing}/{len(valid)}")
     out = REPO / ".cache" / "benchmarks" / "load.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

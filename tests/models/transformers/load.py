@@ -92,7 +92,9 @@ def workload(
     rng = random.Random(seed)
     requests = []
     for index in range(plain + stream + cancel):
-        kind = "plain" if index < plain else "stream" if index < plain + stream else "cancel"
+        kind = (
+            "plain" if index < plain else "stream" if index < plain + stream else "cancel"
+        )
         max_tokens = rng.randint(1, tiny.MAX_TOKENS) if kind != "cancel" else 16
         room = tiny.MAX_MODEL_LEN - max_tokens
         tokens = room if index % 8 == 0 else rng.randint(2, room)

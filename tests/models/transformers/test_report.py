@@ -172,7 +172,8 @@ def test_command_never_runs_repository_code(tmp_path, model_type, why):
     marker = repository_code(tmp_path, config)
     if model_type != "llama":  # `save_pretrained` writes the class's own type
         data = json.loads((tmp_path / "config.json").read_text())
-        (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": model_type}))
+        data["model_type"] = model_type
+        (tmp_path / "config.json").write_text(json.dumps(data))
     done = subprocess.run(
         [sys.executable, "-m", "vllm.model_executor.models.transformers.report",
          str(tmp_path)],
