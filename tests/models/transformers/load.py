@@ -231,18 +231,13 @@ def divergence(got: Outcome, alone: Outcome) -> str | None:
     )
 
 
-def metric(base_url: str, name: str, label: str = "") -> float:
-    """The sum of the Prometheus metric `name` on the server's `/metrics`, over its
-    series whose labels contain `label` (e.g. `finished_reason="abort"`)."""
+def metric(base_url: str, name: str) -> float:
+    """The sum of the Prometheus metric `name` over its series on `/metrics`."""
     root = base_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
         text = response.read().decode()
-    pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
-    return sum(
-        float(value)
-        for labels, value in re.findall(pattern, text, re.M)
-        if label in labels
-    )
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(value) for value in re.findall(pattern, text, re.M))
 
 
 def settled(base_url: str, timeout: float = 30) -> float:

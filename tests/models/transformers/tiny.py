@@ -897,11 +897,10 @@ def serve(
     ready_timeout: float = 300,
     log_dir: Path | str | None = None,
     extra_env: dict[str, str] | None = None,
-    extra_args: list[str] | None = None,
 ):
     """Start the server, wait (bounded) until `/health` answers, yield a `Server`, and
     always stop it (SIGTERM to its process group, then SIGKILL). A server that exits
-    before it is ready raises `ServerExited`. `extra_args` go to its command line."""
+    before it is ready raises `ServerExited`."""
     port = free_port()
     env = dict(os.environ)
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
@@ -911,7 +910,7 @@ def serve(
     log_file = log_dir / "server.log"
     with open(log_file, "w") as log:
         process = subprocess.Popen(
-            server_command(path, port, model_impl=model_impl) + (extra_args or []),
+            server_command(path, port, model_impl=model_impl),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
