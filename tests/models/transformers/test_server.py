@@ -111,7 +111,10 @@ def test_the_server_under_load_loses_nothing(tmp_path):
                 assert 400 <= o.status < 500, (o.request, o.status)
                 assert o.request.expect in o.message.lower(), (o.request, o.message)
             elif o.request.kind == "cancel":
-                assert o.chunks >= 1 and 1 <= len(o.tokens) < o.request.max_tokens
+                # Closed after its first chunk, which may already hold every token
+                # on a busy machine (the server coalesces what a slow client has
+                # not read): that the engine aborts them is checked on its count.
+                assert o.chunks >= 1 and o.tokens
         figures = load.latency_summary(outcomes, seconds)
         print(
             f"\n[load] {len(outcomes)} requests in {seconds:.1f} s: "
