@@ -10,8 +10,11 @@ Because the hook runs at interpreter start, it is active in every process vLLM s
 (API server, engine core, workers, the model-inspection subprocess).
 
 Set `VLLM_TRANSFORMERS_BACKEND=stock` to load vLLM's stock subpackage instead, so one
-environment can compare the two. `python -m vllm_transformers_overlay` prints which
-implementation is active.
+environment can compare the two. Any other value than `project` or `stock` makes every
+`import vllm` fail with an error saying so, in every process: refusing only the
+subpackage would not do, since vLLM's registry logs a failed import of a model class and
+serves the model with another implementation. `python -m vllm_transformers_overlay`
+prints which implementation is active.
 """
 
 import importlib.abc
@@ -31,7 +34,8 @@ def requested() -> str:
     value = os.environ.get(ENV_SWITCH, PROJECT).strip().lower() or PROJECT
     if value not in (PROJECT, STOCK):
         raise ValueError(
-            f"{ENV_SWITCH} must be {PROJECT!r} or {STOCK!r}, got {value!r}"
+            f"{ENV_SWITCH} must be {PROJECT!r} (this project's backend) or "
+            f"{STOCK!r} (vLLM's own copy), got {os.environ[ENV_SWITCH]!r}"
         )
     return value
 
@@ -49,6 +53,19 @@ def project_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+class RefusingFinder(importlib.abc.MetaPathFinder):
+    """Fails every import of `vllm` with `reason`: what `install` puts in place of a
+    choice `VLLM_TRANSFORMERS_BACKEND` does not name."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "vllm":
+            raise ImportError(self.reason, name=fullname)
+        return None
+
+
 class OverlayFinder(importlib.abc.MetaPathFinder):
     """Resolves `PACKAGE` to `project_dir()`; its submodules follow its `__path__`."""
 
@@ -64,10 +81,26 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Put the finder first on `sys.meta_path` unless the stock backend is asked for."""
-    if requested() == STOCK or any(isinstance(f, OverlayFinder) for f in sys.meta_path):
+    """Put the finder first on `sys.meta_path` unless the stock backend is asked for.
+
+    Runs at interpreter start, where an exception would only be printed and the
+    stock subpackage would then load: an invalid `VLLM_TRANSFORMERS_BACKEND` installs
+    a `RefusingFinder` instead, so that vLLM fails to import with the reason."""
+    if any(isinstance(f, OverlayFinder | RefusingFinder) for f in sys.meta_path):
         return
-    sys.meta_path.insert(0, OverlayFinder())
+    try:
+        choice = requested()
+    except ValueError as error:
+        sys.meta_path.insert(
+            0,
+            RefusingFinder(
+                f"{error}. vLLM does not start rather than guess which "
+                "Transformers modeling backend is meant."
+            ),
+        )
+        return
+    if choice == PROJECT:
+        sys.meta_path.insert(0, OverlayFinder())
 
 
 def active() -> str:

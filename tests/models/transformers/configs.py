@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Small configs for building models on `meta` or in-process, without weights."""
 
+from pathlib import Path
+
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -22,3 +24,21 @@ def small_config(model_type: str, **overrides) -> PreTrainedConfig:
     return AutoConfig.for_model(
         model_type, **{**SMALL, "architectures": [architecture], **overrides}
     )
+
+
+def repository_code(folder: Path, config: PreTrainedConfig) -> Path:
+    """Make `folder` a checkpoint whose architecture is repository code: `config` with
+    an `auto_map` naming `marker.MarkerConfig` / `marker.MarkerForCausalLM`, and a
+    `marker.py` that writes the returned marker file when anything executes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    marker = folder / "EXECUTED"
+    (folder / "marker.py").write_text(
+        f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('ran')\n"
+    )
+    config.architectures = ["MarkerForCausalLM"]
+    config.auto_map = {
+        "AutoConfig": "marker.MarkerConfig",
+        "AutoModelForCausalLM": "marker.MarkerForCausalLM",
+    }
+    config.save_pretrained(folder)
+    return marker

@@ -11,7 +11,8 @@ from transformers.models.llama import modeling_llama
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-from configs import small_config
+from configs import repository_code, small_config
+from transformers import AutoConfig
 
 
 def test_each_layer_gets_vllm_attention_as_attn(build_backend):
@@ -190,3 +191,40 @@ def test_an_lm_head_with_a_bias_gets_one(build_backend):
     model = build_backend(small_config("phi", hidden_size=128, num_attention_heads=4))
     assert model.lm_head.bias is not None
     assert model.lm_head.bias.shape == (model.lm_head.num_embeddings_per_partition,)
+
+
+def test_a_config_transformers_cannot_build_is_an_error_naming_class_and_why(
+    build_backend,
+):
+    with pytest.raises(ValueError) as error:
+        build_backend(small_config("llama", hidden_act="no_such_activation"))
+    message = str(error.value)
+    assert message.startswith("Transformers cannot build LlamaForCausalLM")
+    assert "model_type 'llama'" in message
+    assert "KeyError" in message and "no_such_activation" in message
+
+
+def test_heads_vllm_attention_refuses_are_an_error_naming_layer_and_module(
+    build_backend,
+):
+    with pytest.raises(ValueError) as error:
+        build_backend(small_config("llama", num_key_value_heads=3))
+    message = str(error.value)
+    assert message.startswith("Decoder layer 0: model.layers.0.self_attn")
+    assert "(LlamaAttention) needs 4 query and 3 key/value heads" in message
+    assert "not divisible" in message
+
+
+def test_repository_code_not_trusted_is_refused_not_replaced(build_backend, tmp_path):
+    """A known `model_type` whose architecture is repository code: Transformers would
+    build its own class for the type; the backend refuses, and runs no code."""
+    marker = repository_code(tmp_path / "repository", small_config("llama"))
+    remote = AutoConfig.from_pretrained(marker.parent, trust_remote_code=False)
+    # vLLM's registry refuses the architecture first (DESIGN §6).
+    with pytest.raises(ValueError) as error:
+        build_backend(small_config("llama"), served_config=remote)
+    message = str(error.value)
+    assert "['MarkerForCausalLM'] are not Transformers classes" in message
+    assert "'AutoModelForCausalLM': 'marker.MarkerForCausalLM'" in message
+    assert "trust_remote_code=True" in message
+    assert not marker.exists()

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from configs import small_config
+from configs import repository_code, small_config
 
 from vllm.model_executor.models.transformers.report import (
     build_report,
@@ -156,3 +156,47 @@ def test_engine_start_up_log_agrees_with_the_command(vllm_runtime):
     assert logged, "the engine did not log the fusion report"
     report = build_report(load_config(str(path)), str(path))
     assert logged[-1].strip() == report.short()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        # Unknown to Transformers: the config class is repository code too.
+        ("marker_model", "Please pass the argument `trust_remote_code=True`"),
+        ("llama", None),  # readable: the build refuses it (next test)
+    ],
+)
+def test_command_never_runs_repository_code(tmp_path, model_type, why):
+    config = small_config("llama")
+    config.model_type = model_type
+    marker = repository_code(tmp_path, config)
+    if model_type != "llama":  # `save_pretrained` writes the class's own type
+        data = json.loads((tmp_path / "config.json").read_text())
+        data["model_type"] = model_type
+        (tmp_path / "config.json").write_text(json.dumps(data))
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm.model_executor.models.transformers.report",
+         str(tmp_path)],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert not marker.exists()
+    if why is None:
+        assert done.returncode == 0, done.stderr
+        assert "NOT SERVABLE" in done.stdout and "trust_remote_code=True" in done.stdout
+        return
+    assert done.returncode == 1
+    assert f"Cannot read the config of {tmp_path}: The repository" in done.stderr
+    assert why in done.stderr and "Traceback" not in done.stderr
+
+
+def test_command_names_an_unknown_model_type_without_a_traceback(tmp_path):
+    data = small_config("llama").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": "frob"}))
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm.model_executor.models.transformers.report",
+         str(tmp_path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"Cannot read the config of {tmp_path}: " in done.stderr
+    assert "model type `frob`" in done.stderr and "Traceback" not in done.stderr

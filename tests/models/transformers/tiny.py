@@ -962,7 +962,8 @@ def serve(
 ):
     """Start the server (`extra_args` appended to `server_command`'s, such as
     `--runner pooling`), wait (bounded) until `/health` answers, yield a `Server`, and
-    always stop it (SIGTERM to its process group, then SIGKILL)."""
+    always stop it (SIGTERM to its process group, then SIGKILL). A server that exits
+    before it is ready raises `ServerExited`."""
     port = free_port()
     env = dict(os.environ)
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
@@ -987,6 +988,61 @@ def serve(
         stop(process)
 
 
+def session_processes(session: int) -> list[int]:
+    """The live (not zombie) processes of `session`, from /proc: a process started
+    with `start_new_session=True` leads the session whose id is its pid, and its
+    children stay in that session even once orphaned."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # After "pid (command)": state, ppid, pgrp, session, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def port_free(port: int) -> bool:
+    """Whether a new server could listen on 127.0.0.1:`port` (as uvicorn binds it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+ORPHAN_GRACE = 15.0
+"""Seconds the processes a failed server started get to exit after it did."""
+
+
+class ServerExited(RuntimeError):
+    """The server exited before it was ready: its exit status and log, the processes
+    of its session still alive `ORPHAN_GRACE` s after it exited (left behind), and
+    whether its port was free again then."""
+
+    def __init__(self, server: Server, port: int):
+        deadline = time.monotonic() + ORPHAN_GRACE
+        while (left := session_processes(server.process.pid)) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+        self.returncode = server.process.returncode
+        self.log = server.log()
+        self.left_behind = left
+        self.port_free = port_free(port)
+        super().__init__(
+            f"server exited with {self.returncode} before it was ready (left behind: "
+            f"{left or 'nothing'}; port {port} free: {self.port_free}):\n"
+            f"{_failure(self.log)}"
+        )
+
+
 def _wait_ready(server: Server, port: int, timeout: float) -> None:
     import urllib.error
     import urllib.request
@@ -994,10 +1050,7 @@ def _wait_ready(server: Server, port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {server.process.returncode} before it was ready:\n"
-                f"{_tail(server.log())}"
-            )
+            raise ServerExited(server, port)
         try:
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{port}/health", timeout=2

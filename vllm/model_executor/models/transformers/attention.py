@@ -297,18 +297,26 @@ def attach_attention(
             # Not `Attention(attn_type=ENCODER_ONLY)`: only this subclass's backend
             # builds its metadata non-causal; the plain layer attends causally.
             layer_class = Attention if needs.causal else EncoderOnlyAttention
-            attn = layer_class(
-                num_heads=num_heads,
-                head_size=needs.head_size,
-                scale=needs.scale,
-                num_kv_heads=num_kv_heads,
-                cache_config=vllm_config.cache_config,
-                quant_config=vllm_config.quant_config,
-                logits_soft_cap=needs.logits_soft_cap,
-                per_layer_sliding_window=needs.sliding_window,
-                prefix=layer_prefix,
-                **extra,
-            )
+            try:
+                attn = layer_class(
+                    num_heads=num_heads,
+                    head_size=needs.head_size,
+                    scale=needs.scale,
+                    num_kv_heads=num_kv_heads,
+                    cache_config=vllm_config.cache_config,
+                    quant_config=vllm_config.quant_config,
+                    logits_soft_cap=needs.logits_soft_cap,
+                    per_layer_sliding_window=needs.sliding_window,
+                    prefix=layer_prefix,
+                    **extra,
+                )
+            except (AssertionError, ValueError) as error:
+                raise ValueError(
+                    f"Decoder layer {index}: {site.qualname} "
+                    f"({type(site.module).__name__}) needs {num_heads} query and "
+                    f"{num_kv_heads} key/value heads of size {needs.head_size}, "
+                    f"which vLLM's Attention refuses: {error}"
+                ) from error
         setattr(site.module, ATTN_ATTR, attn)
         report.attention.append(
             AttentionReport(

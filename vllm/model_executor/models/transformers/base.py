@@ -100,14 +100,36 @@ def build_hf_model(vllm_config: "VllmConfig") -> PreTrainedModel:
         (getattr(transformers, a) for a in architectures if hasattr(transformers, a)),
         None,
     )
-    with parameters_on_meta(), no_init_weights():
-        if hf_class is not None:
-            return hf_class._from_config(config, dtype=model_config.dtype)
-        return AutoModelForCausalLM.from_config(
-            config,
-            dtype=model_config.dtype,
-            trust_remote_code=model_config.trust_remote_code,
+    remote = {
+        auto: code
+        for auto, code in (getattr(config, "auto_map", None) or {}).items()
+        if auto.startswith("AutoModel")
+    }
+    if hf_class is None and remote and not model_config.trust_remote_code:
+        # Transformers would quietly build its own class for the config's
+        # `model_type` in place of the repository's.
+        raise ValueError(
+            f"The config's architectures {architectures} are not Transformers "
+            f"classes but repository code (auto_map: {remote}), which runs only "
+            "with trust_remote_code=True; it is not trusted, so the model is not "
+            "built."
         )
+    name = hf_class.__name__ if hf_class is not None else "AutoModelForCausalLM"
+    try:
+        with parameters_on_meta(), no_init_weights():
+            if hf_class is not None:
+                return hf_class._from_config(config, dtype=model_config.dtype)
+            return AutoModelForCausalLM.from_config(
+                config,
+                dtype=model_config.dtype,
+                trust_remote_code=model_config.trust_remote_code,
+            )
+    except Exception as error:  # noqa: BLE001 - whatever the model's code raises
+        raise ValueError(
+            f"Transformers cannot build {name} from its config (model_type "
+            f"{config.model_type!r}): {type(error).__name__}: {error}. The config is "
+            "inconsistent, or asks for something this version of Transformers lacks."
+        ) from error
 
 
 def style_of(linear: LinearBase) -> str:
@@ -385,4 +407,10 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         return hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self.layout.load(self, weights, copies=self.weight_copies)
+        return self.layout.load(
+            self,
+            weights,
+            copies=self.weight_copies,
+            every_parameter=self.quant_config is None,
+            source=self.vllm_config.model_config.model,
+        )

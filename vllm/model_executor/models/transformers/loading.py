@@ -2,8 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checkpoint names -> this backend's module names, and loading through vLLM's loader."""
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import regex as re
 import torch
@@ -35,6 +37,61 @@ LM_HEAD = "lm_head"
 # Buffers Transformers recomputes, found in some older checkpoints.
 _RECOMPUTED_BUFFERS = re.compile(r"rotary_emb\.inv_freq$|\.masked_bias$|\.attn\.bias$")
 
+SHOWN = 5
+"""Names listed in an error about many tensors; the rest are counted."""
+
+
+def _listed(names: Iterable[str]) -> str:
+    """`'a', 'b' and 3 more`: names for an error message, sorted."""
+    ordered = sorted(names)
+    shown = ", ".join(repr(n) for n in ordered[:SHOWN])
+    more = len(ordered) - SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def _tensors(
+    roots: Iterable[tuple[str, nn.Module]],
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each parameter and persistent buffer under `roots` (name prefix, module), by
+    the backend's name for it before stacking: its shape and its module's class."""
+    found = {}
+    for root, top in roots:
+        for name, module in top.named_modules(remove_duplicate=False):
+            tensors = [
+                *module.named_parameters(recurse=False),
+                *(
+                    (n, b)
+                    for n, b in module.named_buffers(recurse=False)
+                    if n not in module._non_persistent_buffers_set
+                ),
+            ]
+            for tensor_name, tensor in tensors:
+                qualname = ".".join(filter(None, (root, name, tensor_name)))
+                found[qualname] = (tuple(tensor.shape), type(module).__name__)
+    return found
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file `path` cannot be read whole (truncated, a header
+    that is not one), or `None` when its size agrees with its header."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
+        end = 8 + length + max(
+            (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return f"{size} bytes, and no safetensors header can be read from them"
+    if end > size:
+        return (
+            f"truncated: {size} bytes, where its header describes {end} (an "
+            "interrupted download or copy?)"
+        )
+    return None
+
 
 @dataclass
 class CheckpointLayout:
@@ -50,6 +107,9 @@ class CheckpointLayout:
     lm_head_bias: bool
     renamings: list[WeightRenaming]
     ignored: list[str]
+    shapes: dict[str, tuple[tuple[int, ...], str]]
+    """Each tensor the HF model was built with, by the backend's name before
+    stacking: its shape and its module's class (what a checkpoint tensor must fit)."""
     per_expert: dict[re.Pattern, str] = field(default_factory=dict)
     """Per-expert checkpoint tensors -> `<expert>.<fused parameter>.<shard>`, the
     part of Transformers' fused experts parameter each one is."""
@@ -77,6 +137,10 @@ class CheckpointLayout:
             renamings=[t for t in conversions if isinstance(t, WeightRenaming)],
             ignored=list(hf_model._keys_to_ignore_on_load_unexpected or []),
             per_expert=_per_expert_names(conversions),
+            shapes=_tensors(
+                [(BASE, hf_model.base_model)]
+                + ([(LM_HEAD, output)] if output is not None else [])
+            ),
         )
 
     def add_stacked(self, stacked: dict[str, tuple[str, ShardId]]) -> None:
@@ -127,15 +191,21 @@ class CheckpointLayout:
         model: nn.Module,
         weights: Iterable[tuple[str, torch.Tensor]],
         copies: dict[str, str] | None = None,
+        every_parameter: bool = True,
+        source: str | None = None,
     ) -> set[str]:
         """Load `weights` into `model`; a tensor whose (mapped) name is a key of
         `copies` is also loaded into the parameter named by its value.
 
         Strict: a checkpoint tensor that nothing in `model` consumes is an error
         naming it, unless `unneeded` says why it is not needed (logged once per
-        reason). vLLM's loader then fails on any parameter left unfilled."""
+        reason); so is a tensor whose shape is not the one the model was built with,
+        a fused parameter missing a shard, and (with `every_parameter`; vLLM checks
+        quantised models itself) any parameter left unfilled. A checkpoint that
+        cannot be read names the broken file, when `source` is its folder."""
         copies = copies or {}
         mapper = self.mapper()
+        renamed = mapper.get_rename_mapper()  # names before stacking
         loadable = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # Persistent buffers are in checkpoints too (Gemma 4's per-layer
         # `layer_scalar`); `AutoWeightsLoader` loads them as it loads parameters.
@@ -159,6 +229,8 @@ class CheckpointLayout:
             if name and callable(getattr(module, "load_weights", None))
         )
         skipped: set[str] = set()
+        shards: dict[str, set[ShardId]] = {}
+        """Fused parameter -> the shards the checkpoint filled."""
 
         def skip(reason: str, name: str) -> None:
             if reason not in skipped:
@@ -166,13 +238,14 @@ class CheckpointLayout:
                 logger.info("Not loading %s (such as %s)", reason, name)
 
         def needed(raw: Iterable[tuple[str, torch.Tensor]]):
-            for name, tensor in raw:
+            for name, tensor in _read(raw, source):
                 # Ignore patterns are loose (GPT-2's "attn.bias", a regex, also finds
                 # `c_attn.bias`): like Transformers, skip only what nothing consumes.
                 reason = self.unneeded(name)
                 if reason is not None and mapper.map_name(name) not in loadable:
                     skip(reason, name)
                     continue
+                self._check_shape(name, renamed.map_name(name), tensor)
                 yield name, tensor
 
         def checked(mapped: Iterable[tuple[str, torch.Tensor]]):
@@ -190,13 +263,103 @@ class CheckpointLayout:
                         "would silently drop it and compute something else than the "
                         "checkpoint."
                     )
+                if (shard := getattr(tensor, "shard_id", None)) is not None:
+                    shards.setdefault(name, set()).add(shard)
                 yield name, tensor
                 if name in copies:
                     yield copies[name], tensor
 
-        return AutoWeightsLoader(model).load_weights(
+        loaded = AutoWeightsLoader(model).load_weights(
             checked(mapper.apply(needed(weights)))
         )
+        self._check_complete(model, loaded, shards, every_parameter)
+        return loaded
+
+    def _check_shape(
+        self, name: str, renamed: str | None, tensor: torch.Tensor
+    ) -> None:
+        """A tensor that does not have the shape of the HF tensor it loads into is
+        an error: vLLM's loaders would fail without naming it, or load a slice."""
+        built = self.shapes.get(renamed) if renamed is not None else None
+        if built is None or tuple(tensor.shape) == built[0]:
+            return
+        shape, module_class = built
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {list(tensor.shape)}, but the "
+            f"model built from the config has {renamed!r} ({module_class}) of shape "
+            f"{list(shape)}: the checkpoint and its config.json disagree."
+        )
+
+    def _check_complete(
+        self,
+        model: nn.Module,
+        loaded: set[str],
+        shards: dict[str, set[ShardId]],
+        every_parameter: bool,
+    ) -> None:
+        """Every shard of each fused parameter the checkpoint filled at all, and
+        (with `every_parameter`) every parameter, came from the checkpoint: vLLM
+        checks neither for unquantised linears, which would keep uninitialised
+        memory."""
+        originals: dict[str, dict[ShardId, str]] = {}
+        """Fused module name -> each shard's original module name (with dots)."""
+        for original, (fused, shard) in self.stacked.items():
+            for one in shard if isinstance(shard, list) else [shard]:
+                originals.setdefault(fused, {})[one] = original
+        missing = []
+        for name, filled in shards.items():
+            fused, _, tensor_name = name.rpartition(".")
+            missing += [
+                f"{original}{tensor_name}"
+                for shard, original in originals.get(f"{fused}.", {}).items()
+                if shard not in filled
+            ]
+        if every_parameter:
+            named = dict(model.named_parameters(remove_duplicate=False))
+            filled_ids = {id(named[n]) for n in loaded if n in named}
+            missing += [
+                name
+                for name, param in model.named_parameters()
+                if id(param) not in filled_ids
+            ]
+        if missing:
+            raise ValueError(
+                f"The checkpoint has no tensor for {_listed(missing)} (as this "
+                f"backend names them), which {type(model).__name__} needs: serving "
+                "it would compute with uninitialised weights."
+            )
+
+
+def _read(
+    raw: Iterable[tuple[str, torch.Tensor]], source: str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`raw`, with a failure to read it (a truncated or corrupt file) raised as an
+    error naming the last tensor read and, in the folder `source`, the broken files."""
+    tensors, last = iter(raw), None
+    while True:
+        try:
+            name, tensor = next(tensors)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001 - safetensors, torch, OS errors
+            folder = Path(source) if source is not None else None
+            broken = (
+                {
+                    f.name: why
+                    for f in sorted(folder.glob("*.safetensors"))
+                    if (why := safetensors_problem(f)) is not None
+                }
+                if folder is not None and folder.is_dir()
+                else {}
+            )
+            where = "".join(f"\n  {folder / f}: {why}" for f, why in broken.items())
+            after = f"after tensor {last!r}" if last else "before its first tensor"
+            raise ValueError(
+                f"Reading the checkpoint failed {after}: {type(error).__name__}: "
+                f"{error}{where}"
+            ) from error
+        last = name
+        yield name, tensor
 
 
 def _per_expert_names(conversions: list) -> dict[re.Pattern, str]:

@@ -49,10 +49,14 @@ can still say what the backend would do with it (and why it fails)."""
 
 
 def load_config(model: str) -> PreTrainedConfig:
-    """The config of a model folder, a `config.json`, or a `model_type`."""
+    """The config of a model folder, a `config.json`, or a `model_type`. Repository
+    code (`auto_map`) is never run: a config that needs it is an error saying so."""
     path = Path(model)
     if path.is_dir() or path.name == "config.json":
-        return AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+        # Explicitly False: `None` makes Transformers ask on a terminal.
+        return AutoConfig.from_pretrained(
+            path.parent if path.is_file() else path, trust_remote_code=False
+        )
     config = AutoConfig.for_model(model)
     if not getattr(config, "architectures", None):
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model, "")]
@@ -379,7 +383,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.all:
             run_all(args.json, style)
             return
-        report = build_report(load_config(args.model), args.model)
+        try:
+            config = load_config(args.model)
+        except Exception as error:  # noqa: BLE001 - Transformers raises many kinds
+            # No traceback: the message is the answer (unknown model_type, remote
+            # code not trusted, a field of the wrong type...).
+            sys.exit(f"Cannot read the config of {args.model}: {error}")
+        report = build_report(config, args.model)
     print(
         json.dumps(report.to_json(), indent=1, default=str)
         if args.json
