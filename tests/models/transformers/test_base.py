@@ -77,8 +77,8 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
 @pytest.mark.parametrize(
     "backend_class",
     [
-        "TransformersMoEForCausalLM",
         "TransformersMultiModalForCausalLM",
+        "TransformersMultiModalMoEForCausalLM",
         "TransformersMoEEmbeddingModel",
         "TransformersMoEForSequenceClassification",
     ],
@@ -95,6 +95,7 @@ BUILD_CODE = (
     "attention.py",
     "causal.py",
     "pooling.py",
+    "experts.py",
     "loading.py",
     "fusion_report.py",
 )
