@@ -46,3 +46,29 @@ def test_matches_transformers(model_type):
     run = tiny.shared_engine(model_type, E2E_IMPL)
     gap = compare(reference(model_type), run.completions)
     report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
+
+
+@pytest.mark.engine
+def test_tensor_parallel_matches_transformers():
+    """TP=2: each rank holds every expert's share of the intermediate size (and
+    Qwen2-MoE's shared expert is split as a dense MLP); equals Transformers and TP=1."""
+    tiny.check_tensor_parallel("qwen2_moe", E2E_IMPL)
+
+
+@pytest.mark.engine
+def test_expert_parallel_matches_tensor_parallel():
+    """Expert parallel over two ranks: each holds four whole experts (the others'
+    checkpoint tensors skipped), and the output equals Transformers and TP=2."""
+    run = tiny.run_engine(
+        tiny.checkpoint("qwen2_moe"),
+        tensor_parallel_size=2,
+        llm_kwargs=dict(enable_expert_parallel=True),
+        **tiny.IMPLS[E2E_IMPL],
+    )
+    gap = compare(reference("qwen2_moe"), run.completions)
+    compare(
+        tiny.shared_engine("qwen2_moe", E2E_IMPL, 2).completions,
+        run.completions,
+        atol=2 * tiny.LOGPROB_ATOL,
+    )
+    report(f"qwen2_moe ({E2E_IMPL}, EP=2) vs Transformers", run, gap)

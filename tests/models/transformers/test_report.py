@@ -8,12 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from configs import repository_code, small_config
+from configs import SMALL, repository_code, small_config
+from transformers import AutoConfig, PreTrainedConfig
 
 from vllm.model_executor.models.transformers.report import (
+    Style,
     build_report,
     causes,
     load_config,
+    render,
 )
 
 
@@ -71,11 +74,43 @@ def test_latent_attention_passes_the_attention_width_checks(vllm_runtime):
     assert report.attention and all(layer.mla for layer in report.attention)
 
 
+def small_llava() -> PreTrainedConfig:
+    """A multimodal model (a family not built yet): Llama behind a CLIP tower."""
+    return AutoConfig.for_model(
+        "llava",
+        architectures=["LlavaForConditionalGeneration"],
+        text_config=dict(model_type="llama", **SMALL),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+    )
+
+
 def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runtime):
-    report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
+    report = build_report(small_llava(), "llava")
     assert not report.servable
     assert "VLLM_TRANSFORMERS_BACKEND=stock" in report.reason
     assert len(report.attention) == 2
+
+
+def test_moe_blocks_are_listed_with_experts_top_k_activation_and_path(vllm_runtime):
+    report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
+    assert report.servable, report.reason
+    assert report.details["moe"] == [
+        f"model.layers.{i}.mlp.experts (MixtralExperts): 4 experts, top-2, silu; "
+        "path: experts interface (vLLM fused MoE); routing: Transformers' router, "
+        "kept"
+        for i in range(2)
+    ]
+    rendered = render(report, Style(False))
+    assert "Mixture-of-experts blocks (i = decoder layer)" in rendered
+    assert "  model.layers.{i}.mlp.experts (MixtralExperts): 4 experts" in rendered
 
 
 def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
@@ -84,10 +119,10 @@ def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
         for model_type, changes in [
             ("bloom", dict(n_layer=2, n_head=4, hidden_size=128)),
             ("codegen", dict(n_layer=2, n_head=4, n_embd=128)),
-            ("mixtral", dict(num_local_experts=4)),
             ("llama", {}),
         ]
     }
+    reports["llava"] = build_report(small_llava(), "llava")
     rows = [
         dict(
             model_type=name,
@@ -99,11 +134,11 @@ def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
         for name, r in reports.items()
     ]
     grouped = causes(rows)
-    assert list(grouped.values()) == [["bloom", "codegen"], ["mixtral"]]
-    interface, moe = grouped
+    assert list(grouped.values()) == [["bloom", "codegen"], ["llava"]]
+    interface, multimodal = grouped
     assert interface.startswith("No module in it calls the Transformers attention")
     assert "Bloom" not in interface and "CodeGen" not in interface
-    assert moe.startswith("mixture-of-experts models are not supported")
+    assert multimodal.startswith("multimodal models are not supported")
 
 
 def test_command_prints_json_and_plain_text(tmp_path):

@@ -320,7 +320,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
                 for fuser in fusers:
                     new = fuser.fuse(new, qualname, self.vllm_config)
                     logger.info(fuser.info(qualname, new))
-                    self.report.record_fusion(fuser)
+                    self.report.record_fusion(
+                        fuser, fuser.report_detail(qualname, new)
+                    )
                     self.layout.add_stacked(fuser.stacked_weights(qualname))
                     self.layout.add_renamed(fuser.renamed_weights(qualname))
                 if needs is not None:

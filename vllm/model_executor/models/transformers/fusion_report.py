@@ -70,6 +70,8 @@ class FusionReport:
     """Original linears now computed inside a QKV or merged linear."""
     fusions: dict[str, int] = field(default_factory=dict)
     """Fuser kind (`qkv`, `glu`, `rms_norm`...) -> instances it was applied to."""
+    details: dict[str, list[str]] = field(default_factory=dict)
+    """Fuser kind -> a line per fused instance, for kinds that list them (`moe`)."""
     servable: bool = True
     reason: str | None = None
     causal: bool = True
@@ -89,8 +91,10 @@ class FusionReport:
         for fuser in applied:
             report.applied[fuser] = report.applied.get(fuser, 0) + 1
 
-    def record_fusion(self, fuser: BaseFuser) -> None:
+    def record_fusion(self, fuser: BaseFuser, detail: str | None = None) -> None:
         self.fusions[fuser.kind] = self.fusions.get(fuser.kind, 0) + 1
+        if detail is not None:
+            self.details.setdefault(fuser.kind, []).append(detail)
         self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
     def record_plan(self, plan: "Fusers") -> None:

@@ -209,6 +209,10 @@ def _attention_class(attention: AttentionReport) -> str:
     return "Attention" if attention.causal else "EncoderOnlyAttention"
 
 
+DETAIL_TITLES = {"moe": "Mixture-of-experts blocks"}
+"""Section titles for the fusion kinds whose instances the report lists."""
+
+
 def render(report: FusionReport, style: Style) -> str:
     lines = [style.head(f"Fusion report: {report.model}")]
     lines.append(style.head("\nModule classes"))
@@ -253,6 +257,13 @@ def render(report: FusionReport, style: Style) -> str:
         note = "" if planned else style.bad("  (no tensor-parallel plan: replicated)")
         times = f" x{count}" if count > 1 else ""
         lines.append(f"  {module}: {layer_class} [{tp_style}]{times}{note}")
+    for kind, details in sorted(report.details.items()):
+        title = DETAIL_TITLES.get(kind, kind)
+        lines.append(style.head(f"\n{title} (i = decoder layer)"))
+        for detail, count in Counter(
+            LAYER_INDEX.sub(".{i}.", d) for d in details
+        ).items():
+            lines.append(f"  {detail}{f' x{count}' if count > 1 else ''}")
     if report.pooler is not None:
         lines.append(style.head("\nPooling"))
         lines.append(f"  Pooler: {report.pooler}")

@@ -81,7 +81,7 @@ class BaseFuser:
     The build asks every fuser the same questions, in three stages (DESIGN §4): the
     class analysis (`match`, and `update_forward` for rewrites), the instance plan
     (`mismatch`), and the apply (`fuse`, then `stacked_weights`,
-    `renamed_weights`, `packed_modules_mapping`, `attention_needs`/`adjust_attention`, `info` and
+    `renamed_weights`, `packed_modules_mapping`, `report_detail`, `attention_needs`/`adjust_attention`, `info` and
     `kind` for the report)."""
 
     redefines_forward: ClassVar[bool] = False
@@ -144,6 +144,11 @@ class BaseFuser:
     def stacked_weights(self, prefix: str) -> dict[str, tuple[str, ShardId]]:
         """Checkpoint name fragment -> (fused name fragment, shard) for weight loading."""
         return {}
+
+    def report_detail(self, name: str, module: nn.Module) -> str | None:
+        """What the fusion report lists for this fused instance, named `name`, in a
+        section of its own (`kind`); `None` when the class counts say enough."""
+        return None
 
     def renamed_weights(self, prefix: str) -> dict[str, str]:
         """Checkpoint name prefix -> the prefix of the layer that now loads it."""

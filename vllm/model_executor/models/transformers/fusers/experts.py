@@ -233,11 +233,14 @@ class ExpertsFuser(BaseFuser):
     def renamed_weights(self, prefix: str) -> dict[str, str]:
         return {f"{prefix}.": f"{prefix}.{EXPERTS_ATTR}."}
 
-    def info(self, name: str, module: nn.Module) -> str:
+    def report_detail(self, name: str, module: nn.Module) -> str:
         layout = getattr(module, EXPERTS_ATTR).layout
         bias = ", with biases" if layout.has_bias else ""
         return (
-            f"Fused: experts ({name}: {type(module).__name__}) -> {EXPERTS_ATTR} "
-            f"(vLLM fused MoE: {layout.num_experts} experts, top-{layout.top_k}, "
-            f"{layout.activation}{bias}; routing by Transformers' router)"
+            f"{name} ({type(module).__name__}): {layout.num_experts} experts, "
+            f"top-{layout.top_k}, {layout.activation}{bias}; path: experts "
+            "interface (vLLM fused MoE); routing: Transformers' router, kept"
         )
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return f"Fused: experts -> {EXPERTS_ATTR}: {self.report_detail(name, module)}"
