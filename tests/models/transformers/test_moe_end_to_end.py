@@ -30,10 +30,14 @@ ARCHS = [
     "gpt_oss",
 ]
 
+DEEPSEEK = "deepseek_v3_moe"
+"""Latent attention and MoE layers (grouped top-k over sigmoid scores with a
+correction bias, routed scaling, a shared expert) after a first dense layer."""
+
 E2E_IMPL = tiny.e2e_impl()
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
+@pytest.mark.parametrize("model_type", [*ARCHS, DEEPSEEK])
 def test_reference_is_well_separated(model_type):
     """Greedy choices must not hinge on float32 noise."""
     tiny.check_well_separated(model_type)
@@ -72,3 +76,25 @@ def test_expert_parallel_matches_tensor_parallel():
         atol=2 * tiny.LOGPROB_ATOL,
     )
     report(f"qwen2_moe ({E2E_IMPL}, EP=2) vs Transformers", run, gap)
+
+
+def test_deepseek_routing_features_change_the_output():
+    """The tiny DeepSeek routes with what it is meant to: without the correction
+    bias's groups, the scaling or the renormalisation, the reference moves."""
+    tiny.check_feature_changes_output(DEEPSEEK, routed_scaling_factor=1.0)
+    tiny.check_feature_changes_output(DEEPSEEK, n_group=1, topk_group=1)
+    tiny.check_feature_changes_output(DEEPSEEK, norm_topk_prob=False)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mla", [True, False], ids=["mla", "mla-disabled"])
+def test_deepseek_with_experts_matches_transformers(mla):
+    """DeepSeek-V3's MoE layers beside its latent attention, served as MLA and as
+    plain attention (`VLLM_MLA_DISABLE=1`)."""
+    run = tiny.run_engine(
+        tiny.checkpoint(DEEPSEEK),
+        extra_env=None if mla else dict(VLLM_MLA_DISABLE="1"),
+        **tiny.IMPLS[E2E_IMPL],
+    )
+    gap = compare(reference(DEEPSEEK), run.completions)
+    report(f"{DEEPSEEK} ({E2E_IMPL}, MLA {'on' if mla else 'off'})", run, gap)

@@ -317,8 +317,27 @@ ARCHS: dict[str, dict[str, Any]] = {
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
+    # DeepSeek-V3 with real MoE layers after a first dense one: sigmoid scores with a
+    # correction bias (perturbed) choosing, grouped top-k (2 of 4 groups), the chosen
+    # scores renormalised and scaled by `routed_scaling_factor`, a shared expert.
+    "deepseek_v3_moe": dict(
+        **{**MLA, "first_k_dense_replace": 1, "n_routed_experts": 8},
+        q_lora_rank=96,
+        v_head_dim=64,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    ),
 }
-"""`model_type` -> config overrides on top of `COMMON` (`None` drops a common key)."""
+"""Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).
+The recipe name is the `model_type`, or a variant of one (`VARIANTS`)."""
+
+VARIANTS = {"deepseek_v3_moe": "deepseek_v3"}
+"""Recipes that are a variant of another model type: their `model_type`."""
 
 
 @dataclass(frozen=True)
@@ -438,7 +457,9 @@ def _random_model(model_type: str, seed: int):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     init = INITS.get(model_type, Init())
-    config = AutoConfig.for_model(model_type, **overrides(model_type))
+    config = AutoConfig.for_model(
+        VARIANTS.get(model_type, model_type), **overrides(model_type)
+    )
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(
@@ -450,6 +471,11 @@ def _random_model(model_type: str, seed: int):
             # Expert biases are one row per expert: 1-D parameters all the same.
             if param.ndim == 1 or name.endswith("_bias"):
                 param.add_(torch.randn(param.shape, generator=generator) * init.perturb)
+        # Buffers a checkpoint holds and a forward reads (DeepSeek's score
+        # correction bias), away from their zeros too.
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("_bias") and buffer.is_floating_point():
+                buffer.add_(torch.randn(buffer.shape, generator=generator) * init.perturb)
         embeddings = model.get_input_embeddings().weight
         embeddings.mul_(init.embed_scale)
         head = model.get_output_embeddings().weight
