@@ -29,6 +29,7 @@ table for the README.
     bash scripts/benchmark.sh                   # the whole thing (under 12 minutes)
     bash scripts/benchmark.sh --rounds 3        # quicker, noisier
     bash scripts/benchmark.sh --dtype float32   # or --eager, --skip-detection, ...
+    bash scripts/benchmark.sh --model qwen3_moe --skip-detection   # a random Qwen3-MoE
 
 The script also runs its own pieces in subprocesses (`engine SPEC`, `detect OUT`);
 those forms are internal.
@@ -73,6 +74,20 @@ MODEL = dict(
 """The medium random Llama: big enough that the matmuls dominate, small enough that an
 engine starts and measures in about a minute on two cores."""
 
+MOE_MODEL = dict(
+    MODEL,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=512,
+    norm_topk_prob=True,
+)
+"""The medium random Qwen3-MoE (`--model qwen3_moe`): the Llama's attention with q/k
+norms, and 16 experts of width 512, four per token, in every layer."""
+
+MODELS: dict[str, dict[str, Any]] = {"llama": MODEL, "qwen3_moe": MOE_MODEL}
+"""`--model` -> the config of the random model benchmarked."""
+
 MODEL_SEED = 0
 DTYPE = "bfloat16"
 """The CPU engine runs bf16 well on a CPU with AVX512-BF16 (oneDNN matmuls; this one
@@ -112,24 +127,29 @@ ENGINE_TIMEOUT = 420.0
 # --- the checkpoint ------------------------------------------------------------
 
 
-def checkpoint(dtype: str) -> Path:
-    """Build (or reuse) the random Llama checkpoint, saved in `dtype`."""
+def checkpoint(dtype: str, model_type: str = "llama") -> Path:
+    """Build (or reuse) the random `model_type` checkpoint, saved in `dtype`."""
     import hashlib
 
-    recipe = json.dumps(dict(model=MODEL, seed=MODEL_SEED, dtype=dtype), sort_keys=True)
+    config_kwargs = MODELS[model_type]
+    recipe = json.dumps(
+        dict(model=config_kwargs, seed=MODEL_SEED, dtype=dtype), sort_keys=True
+    )
+    if model_type != "llama":  # the Llama's stamp predates `--model`
+        recipe += model_type
     stamp = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    target = CACHE / "models" / f"llama-medium-{dtype}-{stamp}"
+    target = CACHE / "models" / f"{model_type}-medium-{dtype}-{stamp}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(MODEL_SEED)
-    config = LlamaConfig(**MODEL, architectures=["LlamaForCausalLM"])
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    config = AutoConfig.for_model(model_type, **config_kwargs)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".llama-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{model_type}-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
     try:
         staging.rename(target)
@@ -381,7 +401,7 @@ def throughput(
     """Start the three engines one after another (each warms up), then time batches on
     them in rounds, the order rotated each round, until `args.rounds` rounds are done or
     another would end after `deadline` (a `time.monotonic()` value)."""
-    model = checkpoint(args.dtype)
+    model = checkpoint(args.dtype, args.model)
     spec = dict(
         model=str(model),
         dtype=args.dtype,
@@ -451,7 +471,12 @@ def throughput(
         return [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])]
 
     return dict(
-        model=dict(MODEL, dtype=args.dtype, path=os.path.relpath(model, REPO)),
+        model=dict(
+            MODELS[args.model],
+            model_type=args.model,
+            dtype=args.dtype,
+            path=os.path.relpath(model, REPO),
+        ),
         batch=BATCH,
         prompt_len=PROMPT_LEN,
         max_tokens=MAX_TOKENS,
@@ -719,6 +744,12 @@ def main(argv: list[str]) -> None:
         default=660,
         help="seconds for the whole run: no round starts that would end past it "
         "(default 660)",
+    )
+    parser.add_argument(
+        "--model",
+        default="llama",
+        choices=sorted(MODELS),
+        help="the random model whose throughput is measured (default llama)",
     )
     parser.add_argument("--dtype", default=DTYPE, choices=["bfloat16", "float32"])
     parser.add_argument(
