@@ -412,7 +412,8 @@ class PositionBias(Interface):
 class ComputedScale(Interface):
     def forward(self, q, k, v):
         interface = ALL_ATTENTION_FUNCTIONS["sdpa"]
-        return interface(self, q, k, v, None, scaling=1 / self.head_dim)
+        # Read off the input while it runs: no value to build vLLM's layer with.
+        return interface(self, q, k, v, None, scaling=1 / float(q.abs().max()))
 
 
 class TwoInterfaceCalls(Interface):
@@ -529,7 +530,7 @@ CORPUS: dict[str, NearMiss] = {
         PositionBias, "AttentionFuser", refused="passes position_bias= to the attention"
     ),
     "attention-computed-scale": NearMiss(
-        ComputedScale, "AttentionFuser", refused="passes scaling=1 / self.head_dim"
+        ComputedScale, "AttentionFuser", refused="passes scaling=1 / float(q.abs().max())"
     ),
     "attention-two-calls": NearMiss(
         TwoInterfaceCalls, "AttentionFuser", "calls it 2 times"
