@@ -731,12 +731,29 @@ def run_engine(
     )
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra_env or {})
+    out, seconds, log = run_engine_script(__file__, spec, env, timeout)
+    return EngineRun(
+        completions=[Completion(**c) for c in out["completions"]],
+        probe=out["probe"],
+        kv_cache=out.get("kv_cache"),
+        seconds=seconds,
+        log=log,
+    )
+
+
+def run_engine_script(
+    script: str, spec: dict[str, Any], env: dict[str, str], timeout: float
+) -> tuple[dict[str, Any], float, str]:
+    """Run `python script engine SPEC OUT` in its own session (killed with whatever
+    it started when done), bounded by `timeout`; returns the JSON it wrote to OUT,
+    the seconds it took and its log. A failure raises with the engine's first
+    traceback."""
     with tempfile.TemporaryDirectory(prefix="tiny-engine-") as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_file.write_text(json.dumps(spec))
         start = time.monotonic()
         process = subprocess.Popen(
-            [PYTHON, __file__, "engine", str(spec_file), str(out_file)],
+            [PYTHON, script, "engine", str(spec_file), str(out_file)],
             env=env,
             cwd=tmp,
             stdout=subprocess.PIPE,
@@ -760,14 +777,7 @@ def run_engine(
             raise RuntimeError(
                 f"engine exited with {process.returncode}:\n{_failure(log)}"
             )
-        out = json.loads(out_file.read_text())
-    return EngineRun(
-        completions=[Completion(**c) for c in out["completions"]],
-        probe=out["probe"],
-        kv_cache=out.get("kv_cache"),
-        seconds=seconds,
-        log=log,
-    )
+        return json.loads(out_file.read_text()), seconds, log
 
 
 def _tail(text: str | bytes | None, lines: int = 80) -> str:

@@ -20,10 +20,8 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -342,36 +340,7 @@ def run_engine(
     here = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PYTEST_CURRENT_TEST", None)
-    with tempfile.TemporaryDirectory(prefix="tiny-pooling-") as tmp:
-        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(spec))
-        start = time.monotonic()
-        process = subprocess.Popen(
-            [tiny.PYTHON, __file__, "engine", str(spec_file), str(out_file)],
-            env=env,
-            cwd=tmp,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            log, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            tiny.stop(process, grace=5)
-            log, _ = process.communicate()
-            raise RuntimeError(
-                f"engine did not finish in {timeout:.0f} s:\n{tiny._tail(log)}"
-            ) from None
-        finally:
-            tiny.stop(process, grace=5)
-        seconds = time.monotonic() - start
-        if process.returncode != 0 or not out_file.is_file():
-            raise RuntimeError(
-                f"engine exited with {process.returncode}:\n{tiny._failure(log)}"
-            )
-        out = json.loads(out_file.read_text())
+    out, seconds, log = tiny.run_engine_script(__file__, spec, env, timeout)
     return PoolingRun(out["outputs"], seconds, log, out["probe"], out["kv_cache"])
 
 
