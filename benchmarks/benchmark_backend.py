@@ -683,7 +683,8 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += [
             (
                 f"Throughput on the CPU engine ({summary['machine']['cpus']} shared "
-                f"cores), random Llama ({m['num_hidden_layers']} layers, hidden "
+                f"cores), random {m.get('model_type', 'llama')} "
+                f"({m['num_hidden_layers']} layers, hidden "
                 f"{m['hidden_size']}, vocab {m['vocab_size']}, {m['dtype']}), "
                 f"{tp['batch']} prompts x {tp['max_tokens']} output tokens, "
                 f"{compilation}; the three engines alternate over {tp['rounds']} "
