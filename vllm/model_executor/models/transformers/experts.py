@@ -8,6 +8,7 @@ The HF router keeps choosing the experts (its top-k ids and weights are exactly
 Transformers'); the experts themselves run in vLLM's fused MoE layer, attached to the
 HF experts module as `vllm_experts`, tensor- and expert-parallel as vLLM shards it."""
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -177,18 +178,21 @@ class VllmExperts(nn.Module):
                 # Every rank's partial sums are added up: one of them adds the bias.
                 data[local].copy_(tensor if rank == 0 else torch.zeros_like(tensor))
             else:
-                rows = self._w13_rows(rank, share)
                 offset = shard * tensor.shape[0]
-                rows = rows[offset : offset + tensor.shape[0]]
+                rows = self.w13_rows[offset : offset + tensor.shape[0]]
                 kept = rows >= 0
                 data[local][rows[kept]] = tensor[kept.to(tensor.device)].to(data.dtype)
         return target
 
-    def _w13_rows(self, rank: int, share: int) -> torch.Tensor:
+    @functools.cached_property
+    def w13_rows(self) -> torch.Tensor:
         """For each row of HF's `gate_up_proj` (per expert), the row of this rank's
-        `w13` it goes to, or -1 when another rank holds it."""
+        `w13` it goes to, or -1 when another rank holds it (the same for every
+        expert and tensor, so found once)."""
+        config = self.moe.routed_experts.moe_config
         layout = self.layout
         size = layout.intermediate_size
+        rank, share = config.tp_rank, size // config.tp_size
         hf_rows = torch.arange(2 * size)
         if layout.concatenated:
             is_up, index = hf_rows >= size, hf_rows % size
