@@ -161,25 +161,27 @@ def _fuse(
 ) -> tuple[nn.Module, list[BaseFuser]]:
     """`module` fused under `vllm_config`, `attach(fused, applied)` run before the
     weights load (what the backend attaches, such as latent attention, may change
-    how they are processed), its original weights loaded; and the fusers applied."""
+    how they are processed), its original weights loaded (through `stacked_weights`
+    and `renamed_weights`); and the fusers applied."""
     weights = {f"m.{k}": v.clone() for k, v in module.state_dict().items()}
     parent = nn.Module()
     parent.m = module
     applied = [
         f for f in registry.get_fusers(module) if f.validate(module, vllm_config)
     ]
-    stacked = {}
+    stacked, renamed = {}, {}
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         for fuser in applied:
             parent.m = fuser.fuse(parent.m, "m", vllm_config)
             stacked.update(fuser.stacked_weights("m"))
+            renamed.update(fuser.renamed_weights("m"))
     finally:
         torch.set_default_dtype(default)
     if attach is not None:
         attach(parent.m, applied)
-    mapper = WeightsMapper(orig_to_new_stacked=stacked)
+    mapper = WeightsMapper(orig_to_new_stacked=stacked, orig_to_new_prefix=renamed)
     AutoWeightsLoader(parent).load_weights(mapper.apply(weights.items()))
     for layer in parent.modules():
         if (method := getattr(layer, "quant_method", None)) is not None:

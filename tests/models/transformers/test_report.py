@@ -99,14 +99,19 @@ def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runt
     assert len(report.attention) == 2
 
 
-def test_moe_blocks_are_listed_with_experts_top_k_activation_and_path(vllm_runtime):
+def test_moe_blocks_are_listed_with_router_experts_top_k_activation_and_path(vllm_runtime):
     report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
     assert report.servable, report.reason
     assert report.details["moe"] == [
-        f"model.layers.{i}.mlp.experts (MixtralExperts): 4 experts, top-2, silu; "
-        "path: experts interface (vLLM fused MoE); routing: Transformers' router, "
-        "kept"
+        line
         for i in range(2)
+        for line in (
+            f"model.layers.{i}.mlp.gate (MixtralTopKRouter): router -> vLLM's "
+            "router: softmax top-2, renormalised",
+            f"model.layers.{i}.mlp.experts (MixtralExperts): 4 experts, top-2, "
+            "silu; path: experts interface (vLLM fused MoE), routed by the block's "
+            "router",
+        )
     ]
     rendered = render(report, Style(False))
     assert "Mixture-of-experts blocks (i = decoder layer)" in rendered

@@ -4,8 +4,9 @@
 experts interface (`@use_experts_implementation`), and the `"vllm"` experts function
 through which those modules reach it.
 
-The HF router keeps choosing the experts (its top-k ids and weights are exactly
-Transformers'); the experts themselves run in vLLM's fused MoE layer, attached to the
+The block's router chooses the experts (vLLM's router where `fusers/router.py`
+proved it equal to the HF router, else the HF router) and hands its top-k ids and
+weights in; the experts themselves run in vLLM's fused MoE layer, attached to the
 HF experts module as `vllm_experts`, tensor- and expert-parallel as vLLM shards it."""
 
 import functools

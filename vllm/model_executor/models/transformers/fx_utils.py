@@ -36,6 +36,17 @@ def op_name(node: object) -> str | None:
     return None
 
 
+CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
+"""Methods that only change a tensor's dtype."""
+
+
+def uncast(node: object) -> object:
+    """What `node` casts, through a chain of casts; `node` itself if it is none."""
+    while op_name(node) in CASTS:
+        node = node.args[0]
+    return node
+
+
 def submodule(node: object, module: nn.Module) -> nn.Module | None:
     """The child of `module` that `node` calls, if it calls one."""
     if not isinstance(node, fx.Node) or node.op != "call_module":
@@ -98,6 +109,11 @@ def _all_reached(
             seen.add(node)
             frontier.extend(step(node))
     return seen
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` is computed from, `node` included."""
+    return _all_reached(node, lambda n: n.all_input_nodes) | {node}
 
 
 def between(start: fx.Node, end: fx.Node) -> set[fx.Node]:

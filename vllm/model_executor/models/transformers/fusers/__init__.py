@@ -14,6 +14,7 @@ from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
 from vllm.model_executor.models.transformers.fusers.qkv import QKVFuser
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
+from vllm.model_executor.models.transformers.fusers.router import RouterFuser
 
 # Rewriters first: at most one of them redefines a class's forward.
 # MLA first: a latent attention also has a query and a key/value path that a QKV
@@ -23,6 +24,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     QKVFuser,
     PackedQKVFuser,
     GLUFuser,
+    RouterFuser,
     RMSNormFuser,
     AttentionFuser,
     ExpertsFuser,
@@ -39,5 +41,6 @@ __all__ = [
     "QKVFuser",
     "RMSNormFuser",
     "RewriteFuser",
+    "RouterFuser",
     "StackedFuser",
 ]

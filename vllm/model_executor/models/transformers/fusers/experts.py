@@ -116,8 +116,8 @@ def _top_k(module: nn.Module) -> int | None:
 class ExpertsFuser(BaseFuser):
     """`experts(x, top_k_index, top_k_weights)`, an experts module behind
     Transformers' experts interface -> vLLM's fused MoE attached as `vllm_experts`,
-    reached through the `"vllm"` experts function; the routing stays the HF
-    router's.
+    reached through the `"vllm"` experts function; the block's router chooses the
+    experts (vLLM's router where `RouterFuser` proved it equal).
 
     The activation is what the module's `_apply_gate` computes (checked on a probe
     against each activation vLLM's fused MoE has), and so is how its
@@ -239,7 +239,7 @@ class ExpertsFuser(BaseFuser):
         return (
             f"{name} ({type(module).__name__}): {layout.num_experts} experts, "
             f"top-{layout.top_k}, {layout.activation}{bias}; path: experts "
-            "interface (vLLM fused MoE); routing: Transformers' router, kept"
+            "interface (vLLM fused MoE), routed by the block's router"
         )
 
     def info(self, name: str, module: nn.Module) -> str:

@@ -20,20 +20,11 @@ from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-_CASTS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16"})
-
-
-def _uncast(node: object) -> object:
-    while fx_utils.op_name(node) in _CASTS:
-        node = node.args[0]
-    return node
-
-
 def _past_casts(node: fx.Node) -> fx.Node:
     """`node`, or the last of a chain of casts applied to it."""
     while (user := fx_utils.single_user(node)) is not None and fx_utils.op_name(
         user
-    ) in _CASTS:
+    ) in fx_utils.CASTS:
         node = user
     return node
 
@@ -104,7 +95,7 @@ def _rms_core(graph: fx.Graph) -> _Core | None:
                 else None
             )
             # Equal up to casts; whether those casts round is `_rounding`'s question.
-            if isinstance(x, fx.Node) and _uncast(x) is _uncast(squared):
+            if isinstance(x, fx.Node) and fx_utils.uncast(x) is fx_utils.uncast(squared):
                 return _Core(x, normalised, _other(add, mean), mean)
     return None
 
@@ -199,7 +190,7 @@ class RMSNormFuser(BaseFuser):
         if core is None:
             return None
         inputs = [n for n in graph.nodes if n.op == "placeholder"]
-        if _uncast(core.x) is not inputs[0]:
+        if fx_utils.uncast(core.x) is not inputs[0]:
             return cls.decline(module, "it does not normalise its first input")
         dim, keepdim = _mean_dim(core.mean)
         if dim not in (-1, fx_utils.value(core.x).ndim - 1) or keepdim is not True:
@@ -228,7 +219,7 @@ class RMSNormFuser(BaseFuser):
                 f"{_dtype(normalised)}, which no vLLM norm does",
             )
         cast_weight = _other(scaled, normalised)
-        weight_term = _uncast(cast_weight)
+        weight_term = fx_utils.uncast(cast_weight)
         gemma = fx_utils.op_name(weight_term) == "add"
         if gemma:
             one, weight = weight_term.args[:2]
@@ -236,7 +227,7 @@ class RMSNormFuser(BaseFuser):
                 one, weight = weight, one
             if one != 1:
                 return cls.decline(module, f"the weight is offset by {one}, not 1")
-            weight = _uncast(weight)
+            weight = fx_utils.uncast(weight)
             if _dtype(weight_term) != torch.float32 or _dtype(scaled) != torch.float32:
                 return cls.decline(
                     module,

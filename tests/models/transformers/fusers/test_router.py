@@ -1,0 +1,316 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The router fuser: which MoE routers move into vLLM's router, with what routing
+(read from their dataflow), proven to choose what Transformers chooses; and the
+near misses it declines, with why."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.fusers import RouterFuser
+from vllm.model_executor.models.transformers.routing import ROUTER_ATTR, VllmRouter
+
+HIDDEN = 64
+
+
+def config(model_type: str, **changes):
+    return AutoConfig.for_model(model_type, hidden_size=HIDDEN, **changes)
+
+
+def qwen3(norm_topk_prob: bool) -> nn.Module:
+    return Qwen3MoeTopKRouter(
+        config("qwen3_moe", num_experts=16, num_experts_per_tok=4,
+               norm_topk_prob=norm_topk_prob)
+    )
+
+
+def deepseek_v3() -> nn.Module:
+    return DeepseekV3TopkRouter(
+        config("deepseek_v3", n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+               topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    )
+
+
+# Router -> what its dataflow says (Routing's fields that differ between them).
+ROUTERS = {
+    "qwen3-softmax": (
+        lambda: qwen3(False),
+        dict(scoring="softmax", top_k=4, renormalize=False, scale=1.0),
+    ),
+    "qwen3-softmax-renormalised": (
+        lambda: qwen3(True),
+        dict(scoring="softmax", top_k=4, renormalize=True),
+    ),
+    "mixtral-float-softmax": (
+        lambda: MixtralTopKRouter(config("mixtral", num_local_experts=8)),
+        dict(scoring="softmax", top_k=2, renormalize=True),
+    ),
+    "gpt-oss-biased-logits-softmax-after-top-k": (
+        lambda: GptOssTopKRouter(config("gpt_oss", num_local_experts=8)),
+        dict(scoring="softmax", top_k=4, renormalize=True, flattens=False),
+    ),
+    "hunyuan-child-linear": (
+        lambda: HunYuanMoEV1Gate(config("hunyuan_v1_moe", num_experts=8, moe_topk=2)),
+        dict(scoring="softmax", top_k=2, renormalize=True),
+    ),
+    "deepseek-v3-grouped-sigmoid-corrected-scaled": (
+        deepseek_v3,
+        dict(scoring="sigmoid", top_k=4, num_expert_group=4, topk_group=2,
+             correction_bias="e_score_correction_bias", scale=2.5, renormalize=True,
+             float32_logits=True),
+    ),
+    "glm4-moe-sigmoid-corrected-one-group": (
+        lambda: Glm4MoeTopkRouter(
+            config("glm4_moe", n_routed_experts=16, num_experts_per_tok=4, n_group=1,
+                   topk_group=1, norm_topk_prob=False)
+        ),
+        dict(scoring="sigmoid", num_expert_group=None, renormalize=False,
+             correction_bias="e_score_correction_bias"),
+    ),
+}
+
+
+def randomized(router: nn.Module, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """`router` in `dtype` with random weights a few units of logit apart, and a
+    random correction bias (buffers included)."""
+    router = router.to(dtype).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*router.named_parameters(), *router.named_buffers()]:
+            if tensor.is_floating_point():
+                std = 2.0 / HIDDEN**0.5 if tensor.ndim == 2 else 0.3
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * std)
+    return router
+
+
+def assert_same_routing(expected, actual, roles) -> None:
+    """Same logits; per token the same experts with the same weights, in any order
+    (the experts sum over them). vLLM routes in float32 whatever the dtype."""
+    ids, weights = roles.index("ids"), roles.index("weights")
+    expected_order = expected[ids].argsort(dim=-1)
+    actual_order = actual[ids].argsort(dim=-1)
+    torch.testing.assert_close(
+        actual[ids].gather(-1, actual_order).long(),
+        expected[ids].gather(-1, expected_order).long(),
+    )
+    torch.testing.assert_close(
+        actual[weights].gather(-1, actual_order).double(),
+        expected[weights].gather(-1, expected_order).double(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    logits = roles.index("logits")
+    torch.testing.assert_close(
+        actual[logits].double(), expected[logits].double(), rtol=1e-6, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_routing_is_read_from_the_dataflow(name):
+    build, expected = ROUTERS[name]
+    fuser = get_fuser(build(), RouterFuser)
+    assert isinstance(fuser, RouterFuser)
+    found = {field: getattr(fuser.routing, field) for field in expected}
+    assert found == expected
+    assert fuser.routing.outputs == ("logits", "weights", "ids")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ROUTERS)
+def test_vllm_router_chooses_what_transformers_chooses(name, dtype, fuse):
+    build, _ = ROUTERS[name]
+    router = randomized(build(), dtype)
+    reference = copy.deepcopy(router)
+    fused, applied = fuse(router, dtype)
+    assert [type(f) for f in applied] == [RouterFuser]
+    assert isinstance(getattr(fused, ROUTER_ATTR), VllmRouter)
+    assert not [n for n, _ in fused.named_parameters() if ROUTER_ATTR not in n]
+    generator = torch.Generator().manual_seed(1)
+    for tokens in (1, 7, 256):
+        x = torch.randn(tokens, HIDDEN, generator=generator, dtype=dtype)
+        with torch.no_grad():
+            expected, actual = reference(x), fused(x)
+        assert_same_routing(expected, actual, applied[0].routing.outputs)
+
+
+def test_routing_features_each_change_the_choice():
+    """The probe can tell the variants apart: the DeepSeek router without its
+    groups, correction bias or scaling is declined as a different routing."""
+    router = randomized(deepseek_v3(), torch.float64)
+    fuser = get_fuser(router, RouterFuser)
+    for change in (
+        dict(num_expert_group=None, topk_group=None),
+        dict(correction_bias=None),
+        dict(scale=1.0),
+        dict(renormalize=False),
+    ):
+        other = dataclasses.replace(
+            fuser, routing=dataclasses.replace(fuser.routing, **change), verdicts={}
+        )
+        assert "chooses other experts or weights" in other.unproven(router), change
+
+
+def test_instance_routing_differently_from_the_analysed_one_is_not_fused(
+    vllm_config,
+):
+    fuser = get_fuser(qwen3(True), RouterFuser)
+    assert fuser.validate(qwen3(True), vllm_config)
+    reason = fuser.mismatch(qwen3(False), vllm_config)
+    assert "chooses other experts or weights" in reason
+    assert "renormalised" in reason
+
+
+def test_router_on_meta_is_analysed_on_the_cpu():
+    """As the report builds models: on `meta`, under `meta` as default device."""
+    with torch.device("meta"):
+        router = deepseek_v3()
+        assert isinstance(get_fuser(router, RouterFuser), RouterFuser)
+
+
+def test_checkpoint_names_go_to_the_vllm_router():
+    fuser = get_fuser(HunYuanMoEV1Gate(config("hunyuan_v1_moe", num_experts=8)),
+                      RouterFuser)
+    assert fuser.renamed_weights("mlp.gate") == {
+        "mlp.gate.wg.weight": "mlp.gate.vllm_router.gate.weight"
+    }
+    fuser = get_fuser(deepseek_v3(), RouterFuser)
+    assert fuser.renamed_weights("mlp.gate") == {
+        "mlp.gate.weight": "mlp.gate.vllm_router.gate.weight",
+        "mlp.gate.e_score_correction_bias":
+            "mlp.gate.vllm_router.e_score_correction_bias",
+    }
+
+
+# --- near misses ---------------------------------------------------------------
+
+
+class Router(nn.Module):
+    """A softmax top-k router; subclasses change one step."""
+
+    def __init__(self, experts: int = 8, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(experts, HIDDEN))
+
+    def scores(self, logits):
+        return F.softmax(logits, dim=-1, dtype=torch.float)
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states, self.weight)
+        weights, ids = torch.topk(self.scores(logits), self.top_k, dim=-1)
+        return logits, self.after(weights, ids), ids
+
+    def after(self, weights, ids):
+        return weights / weights.sum(dim=-1, keepdim=True)
+
+
+class BiasAfterTopK(Router):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(8))
+
+    def after(self, weights, ids):
+        return weights + self.bias[ids]
+
+
+class RenormalisedByMax(Router):
+    def after(self, weights, ids):
+        return weights / weights.max(dim=-1, keepdim=True).values
+
+
+class ScaledPerExpert(Router):
+    def __init__(self):
+        super().__init__()
+        self.expert_scale = nn.Parameter(torch.ones(8))
+
+    def after(self, weights, ids):
+        return weights * self.expert_scale[ids]
+
+
+class BiasInTheWeights(Router):
+    """A bias added to the scores that also weighs, not only chooses."""
+
+    def __init__(self):
+        super().__init__()
+        self.score_bias = nn.Parameter(torch.zeros(8))
+
+    def scores(self, logits):
+        return F.softmax(logits, dim=-1) + self.score_bias
+
+    def after(self, weights, ids):
+        return weights
+
+
+class Tempered(Router):
+    def scores(self, logits):
+        return F.softmax(logits / 2, dim=-1)
+
+
+class KeepsExpertZero(Router):
+    """Always routes to expert 0 in the last slot, top-k or not."""
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states, self.weight)
+        weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+        kept = torch.cat((ids[:, :-1], torch.zeros_like(ids[:, -1:])), dim=-1)
+        return logits, weights, kept
+
+
+class TwoProjections(Router):
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Parameter(torch.zeros(8, HIDDEN))
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states, self.weight) + F.linear(
+            hidden_states, self.other
+        )
+        weights, ids = torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, weights, ids
+
+
+@pytest.mark.parametrize(
+    ("router", "reason"),
+    [
+        (BiasAfterTopK(), "chooses other experts or weights"),
+        (RenormalisedByMax(), "chooses other experts or weights"),
+        (ScaledPerExpert(), "chooses other experts or weights"),
+        (BiasInTheWeights(), "chooses other experts or weights"),
+        (Tempered(), "chooses other experts or weights"),
+        (KeepsExpertZero(), "changes its top-k expert ids before"),
+        (TwoProjections(), "from 2 projections, not one"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_near_miss_router_is_declined_with_the_reason(router, reason, declined):
+    assert get_fuser(router, RouterFuser) is None
+    (found,) = declined(RouterFuser)
+    assert reason in found
+
+
+def test_module_returning_no_top_k_ids_is_not_a_router(declined):
+    class Logits(Router):
+        def forward(self, hidden_states):
+            return F.linear(hidden_states, self.weight), hidden_states
+
+    assert get_fuser(Logits(), RouterFuser) is None
+    assert declined(RouterFuser) == []
+
+
+def test_the_plain_router_is_fused():
+    """The near misses' base router itself is fused: each declines for its one
+    change."""
+    fuser = get_fuser(Router(), RouterFuser)
+    assert isinstance(fuser, RouterFuser) and fuser.routing.renormalize

@@ -1,0 +1,425 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""An MoE router, found from what its forward computes, moved into vLLM's router."""
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers.fusers.base import (
+    Declined,
+    RewriteFuser,
+)
+from vllm.model_executor.models.transformers.routing import (
+    ROUTER_ATTR,
+    Role,
+    Routing,
+    VllmRouter,
+    reference_route,
+    vllm_router_forward,
+)
+from vllm.model_executor.models.transformers.tracing import flatten
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_SCORES = frozenset({"softmax", "sigmoid"})
+_DIVISIONS = frozenset({"truediv", "div", "itruediv", "div_"})
+_PROBE_TOKENS = 64
+
+
+def _computed_from(node: fx.Node) -> set[fx.Node]:
+    """Every node `node` is computed from, including what wrote in place into
+    those nodes (`mask.scatter_(...)` before `mask` is read)."""
+    found = fx_utils.ancestors(node)
+    while writes := {
+        user
+        for read in found
+        for user in read.users
+        if user not in found
+        and str(fx_utils.op_name(user)).endswith("_")
+        and user.args[:1] == (read,)
+    }:
+        for write in writes:
+            found |= fx_utils.ancestors(write)
+    return found
+
+
+def _topk_k(node: fx.Node) -> object:
+    return node.kwargs.get("k", node.args[1] if len(node.args) > 1 else None)
+
+
+def _attribute(node: object) -> str | None:
+    """The module tensor `node` reads (through casts), `None` if it reads none."""
+    node = fx_utils.uncast(node)
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return str(node.target)
+    return None
+
+
+def _is_float32_cast(node: object) -> bool:
+    return fx_utils.op_name(node) == "float" or (
+        fx_utils.op_name(node) in fx_utils.CASTS
+        and torch.float32 in (*node.args[1:], *node.kwargs.values())
+    )
+
+
+@dataclass(frozen=True)
+class _Projection:
+    """The router's one projection: `logits = x @ weight.T (+ bias)`."""
+
+    node: fx.Node
+    weight: str
+    bias: str | None
+    input: object
+
+
+def _projection(graph: fx.Graph, module: nn.Module) -> _Projection | str:
+    found: list[_Projection] = []
+    for node in graph.nodes:
+        if fx_utils.op_name(node) == "linear" and node.op == "call_function":
+            weight = _attribute(node.args[1])
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if weight is None or (bias is not None and _attribute(bias) is None):
+                return "its projection is not of the module's own weight and bias"
+            found.append(_Projection(node, weight, _attribute(bias), node.args[0]))
+        elif fx_utils.is_linear(node, module):
+            child = fx_utils.submodule(node, module)
+            bias = f"{node.target}.bias" if child.bias is not None else None
+            found.append(_Projection(node, f"{node.target}.weight", bias, node.args[0]))
+    if len(found) != 1:
+        return f"its logits come from {len(found)} projections, not one"
+    return found[0]
+
+
+def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Projection] | str | None":
+    """The routing `graph` computes, by dataflow: `None` when it returns no top-k
+    expert ids (not a router), else the routing or why it is not vLLM's."""
+    output = next((n for n in graph.nodes if n.op == "output"), None)
+    if output is None or not isinstance(output.args[0], tuple | list):
+        return None
+    returned = list(output.args[0])
+    ids = [
+        value
+        for value in returned
+        if fx_utils.op_name(value) == "getitem"
+        and fx_utils.op_name(value.args[0]) == "topk"
+        and value.args[1] == 1
+    ]
+    if len(ids) != 1:
+        changed = any(
+            fx_utils.op_name(node) == "getitem"
+            and fx_utils.op_name(node.args[0]) == "topk"
+            and node.args[1] == 1
+            for value in returned
+            if isinstance(value, fx.Node)
+            for node in fx_utils.ancestors(value)
+        )
+        return "it changes its top-k expert ids before returning them" if changed else None
+    chosen = ids[0].args[0]
+    projection = _projection(graph, module)
+    if isinstance(projection, str):
+        return projection
+    logits = projection.node
+
+    roles: list[Role] = []
+    weights = None
+    for value in returned:
+        if value is ids[0]:
+            roles.append("ids")
+        elif fx_utils.uncast(value) is logits:
+            roles.append("logits")
+        elif isinstance(value, fx.Node) and chosen in fx_utils.ancestors(value):
+            roles.append("weights")
+            weights = value
+        else:
+            return f"it returns `{value}`, which is not its logits or its top-k"
+    if roles.count("weights") != 1:
+        return "it returns no single tensor of top-k weights"
+
+    top_k = _topk_k(chosen)
+    if not isinstance(top_k, int):
+        return "its top-k takes no constant k"
+    before = _computed_from(chosen)
+    after = fx_utils.between(chosen, weights) - {chosen}
+    computed = before | fx_utils.ancestors(weights)
+    scores = {fx_utils.op_name(n) for n in computed} & _SCORES
+    if len(scores) != 1:
+        return "its scores are neither a softmax nor a sigmoid of the logits"
+    scoring = scores.pop()
+
+    num_experts = module.get_parameter(projection.weight).shape[0]
+    correction = [
+        name
+        for node in before
+        if fx_utils.op_name(node) in ("add", "iadd")
+        for name in map(_attribute, node.args[:2])
+        if name is not None and name not in (projection.weight, projection.bias)
+    ]
+    if len(correction) > 1:
+        return "it adds more than one tensor of its own to the scores"
+
+    # `scores.view(-1, groups, experts // groups)`, and a top-k over what each
+    # group scores (not the top-k within each group, which reads the view).
+    group_views = {
+        node: node.args[2]
+        for node in before
+        if fx_utils.op_name(node) in ("view", "reshape")
+        and len(node.args) == 4
+        and isinstance(node.args[2], int)
+    }
+    groups = [count for count in group_views.values() if count > 1]
+    group_topk = [
+        _topk_k(node)
+        for node in before - {chosen}
+        if fx_utils.op_name(node) == "topk" and node.args[0] not in group_views
+    ]
+    if not group_views and group_topk:
+        return "it takes a top-k over more than its experts"
+    if len(set(groups)) > 1 or len(group_topk) > 1:
+        return "it groups its experts in more than one way"
+    if groups and not group_topk:
+        return "it groups its experts without choosing the best groups"
+
+    renormalize = any(fx_utils.op_name(n) == "softmax" for n in after) or (
+        any(fx_utils.op_name(n) == "sum" for n in after)
+        and any(fx_utils.op_name(n) in _DIVISIONS for n in after)
+    )
+    scale = 1.0
+    for node in after:
+        if fx_utils.op_name(node) in ("mul", "imul"):
+            constants = [a for a in node.args[:2] if isinstance(a, int | float)]
+            scale *= constants[0] if constants else 1.0
+
+    flat_input = fx_utils.uncast(projection.input)
+    routing = Routing(
+        top_k=top_k,
+        scoring=scoring,
+        renormalize=renormalize,
+        num_expert_group=groups[0] if groups else None,
+        topk_group=group_topk[0] if groups else None,
+        correction_bias=correction[0] if correction else None,
+        scale=float(scale),
+        float32_logits=_is_float32_cast(projection.input),
+        flattens=fx_utils.op_name(flat_input) in ("view", "reshape"),
+        outputs=tuple(roles),
+    )
+    if num_experts % (routing.num_expert_group or 1):
+        return f"its {num_experts} experts do not split into its groups"
+    return routing, projection
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # vLLM routes in float32, whatever the logits' dtype.
+    return a.shape == b.shape and torch.allclose(
+        a.double(), b.double(), rtol=1e-5, atol=1e-6
+    )
+
+
+def _same_choice(
+    expected: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...], roles
+) -> bool:
+    """Whether two router outputs agree: logits equal, and per token the same
+    experts with the same weights (in any order: the experts sum over them)."""
+    ids_at, weights_at = roles.index("ids"), roles.index("weights")
+    order_e = expected[ids_at].argsort(dim=-1)
+    order_g = got[ids_at].argsort(dim=-1)
+    for at, role in enumerate(roles):
+        e, g = expected[at], got[at]
+        if role == "ids":
+            if not torch.equal(e.gather(-1, order_e).long(), g.gather(-1, order_g).long()):
+                return False
+        elif role == "weights":
+            if not _close(e.gather(-1, order_e), g.gather(-1, order_g)):
+                return False
+        elif not _close(e, g):
+            return False
+    return True
+
+
+@dataclass
+class RouterFuser(RewriteFuser):
+    """`w, ids = topk(score(x @ W.T [+ b]) [+ correction], k)` with optional
+    expert groups, renormalisation and scaling -> vLLM's router (its projection a
+    vLLM linear) attached as `vllm_router`, the module's outputs kept in place.
+
+    The routing is read from the forward's dataflow, then proven equal on random
+    inputs (float32 and float64) for every instance before it is replaced:
+    routing that differs in any way stays Transformers', declined with why."""
+
+    kind = "moe"
+
+    routing: Routing | None = None
+    weight: str = ""
+    bias: str | None = None
+    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
+    """Probe verdicts per instance signature (class attributes and tensor shapes)."""
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        """A weight of its own, or a single child that is a linear."""
+        children = list(module.children())
+        if len(children) == 1:
+            return fx_utils.linear_children(module) == 1
+        return not children and any(
+            p.ndim == 2 for p in module.parameters(recurse=False)
+        )
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | Declined | None:
+        if graph is None:
+            return None
+        found = read_routing(graph, module)
+        if found is None:
+            return None
+        if isinstance(found, str):
+            return cls.decline(module, found)
+        routing, projection = found
+        fuser = cls(routing=routing, weight=projection.weight, bias=projection.bias)
+        if reason := fuser.unproven(module):
+            return cls.decline(module, reason)
+        return fuser
+
+    def update_forward(self, module: nn.Module) -> None:
+        self.fused_forward = vllm_router_forward
+
+    def _signature(self, module: nn.Module) -> tuple | None:
+        attributes = tuple(
+            (name, value)
+            for name, value in vars(module).items()
+            if not name.startswith("_")
+        )
+        tensors = tuple(
+            (name, tuple(t.shape), t.dtype)
+            for name, t in itertools.chain(
+                module.named_parameters(), module.named_buffers()
+            )
+        )
+        try:
+            hash(attributes)
+        except TypeError:
+            return None
+        return (type(module), attributes, tensors)
+
+    def unproven(self, module: nn.Module) -> str | None:
+        """Why vLLM's router does not compute what `module` does on a probe."""
+        signature = self._signature(module)
+        if signature is not None and signature in self.verdicts:
+            return self.verdicts[signature]
+        # On the CPU whatever the default device: the report builds on `meta`.
+        with torch.device("cpu"):
+            verdict = next(
+                (
+                    reason
+                    for dtype in (torch.float64, torch.float32)
+                    if (reason := self._probe(module, dtype)) is not None
+                ),
+                None,
+            )
+        if signature is not None:
+            self.verdicts[signature] = verdict
+        return verdict
+
+    def _probe(self, module: nn.Module, dtype: torch.dtype) -> str | None:
+        assert self.routing is not None
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        weight = module.get_parameter(self.weight)
+        num_experts, hidden = weight.shape
+
+        def random(shape, std: float) -> torch.Tensor:
+            return std * torch.randn(shape, generator=generator, dtype=dtype)
+
+        tensors = {
+            name: random(t.shape, 0.3)
+            for name, t in itertools.chain(
+                module.named_parameters(), module.named_buffers()
+            )
+            if t.is_floating_point()
+        }
+        # Logits spread a few units apart, so float32 rounding ties no choices.
+        tensors[self.weight] = random(weight.shape, 2.0 / hidden**0.5)
+        x = random((_PROBE_TOKENS, hidden), 1.0)
+        try:
+            with torch.no_grad():
+                expected = torch.func.functional_call(module, tensors, (x,))
+        except Exception as error:  # noqa: BLE001 - a router we cannot run is declined
+            return f"it fails on a probe: {type(error).__name__}: {error}"
+        if not isinstance(expected, tuple) or len(expected) != len(self.routing.outputs):
+            return "it does not return the outputs its dataflow shows"
+        inputs = x.float() if self.routing.float32_logits else x
+        logits = F.linear(
+            inputs,
+            tensors[self.weight].to(inputs.dtype),
+            None if self.bias is None else tensors[self.bias].to(inputs.dtype),
+        )
+        correction = self.routing.correction_bias
+        try:
+            got = reference_route(
+                self.routing,
+                logits,
+                None if correction is None else tensors[correction].float(),
+            )
+        except Exception as error:  # noqa: BLE001 - vLLM refuses this routing
+            return f"vLLM's router fails on it: {type(error).__name__}: {error}"
+        if not _same_choice(expected, got, self.routing.outputs):
+            return (
+                f"on a {str(dtype).removeprefix('torch.')} probe it chooses other "
+                f"experts or weights than vLLM's router with the routing its "
+                f"dataflow shows ({self.routing.describe()})"
+            )
+        return None
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        return self.unproven(module)
+
+    def update_attrs(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> None:
+        assert self.routing is not None
+        num_experts, hidden = module.get_parameter(self.weight).shape
+        router = VllmRouter(
+            self.routing,
+            num_experts,
+            hidden,
+            has_bias=self.bias is not None,
+            prefix=f"{prefix}.{ROUTER_ATTR}",
+        )
+        # The router's tensors now live in vLLM's router, which loads them.
+        for name in self._hf_tensors():
+            owner, _, attr = name.rpartition(".")
+            delattr(module.get_submodule(owner), attr)
+        owner = self.weight.rpartition(".")[0]
+        if owner:
+            delattr(module, owner.split(".")[0])
+        setattr(module, ROUTER_ATTR, router)
+
+    def _hf_tensors(self) -> dict[str, str]:
+        """The HF router's tensors -> where vLLM's router keeps them."""
+        assert self.routing is not None
+        found = {self.weight: "gate.weight"}
+        if self.bias is not None:
+            found[self.bias] = "gate.bias"
+        if self.routing.correction_bias is not None:
+            found[self.routing.correction_bias] = "e_score_correction_bias"
+        return found
+
+    def renamed_weights(self, prefix: str) -> dict[str, str]:
+        return {
+            f"{prefix}.{hf}": f"{prefix}.{ROUTER_ATTR}.{ours}"
+            for hf, ours in self._hf_tensors().items()
+        }
+
+    def report_detail(self, name: str, module: nn.Module) -> str:
+        assert self.routing is not None
+        return (
+            f"{name} ({type(module).__name__}): router -> vLLM's router: "
+            f"{self.routing.describe()}"
+        )
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return f"Fused: router -> {ROUTER_ATTR}: {self.report_detail(name, module)}"

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM's MoE router in place of an HF router module: the router's projection runs
+as a vLLM linear, and its softmax or sigmoid top-k (grouped, bias-corrected,
+renormalised, scaled) runs in vLLM's router. The router module's callers get what
+they got from Transformers: the logits, the top-k weights and ids, in the same
+places."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+from vllm.model_executor.layers.fused_moe.router.router_factory import (
+    create_fused_moe_router,
+)
+from vllm.model_executor.layers.linear import ReplicatedLinear
+
+ROUTER_ATTR = "vllm_router"
+"""Where the vLLM router lives on the HF router module."""
+
+Role = Literal["logits", "weights", "ids"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What an HF router computes, in the terms of vLLM's router."""
+
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"]
+    renormalize: bool
+    num_expert_group: int | None
+    """Experts are chosen within the best `topk_group` of this many groups."""
+    topk_group: int | None
+    correction_bias: str | None
+    """The router's tensor added to the scores to choose (not to weigh) experts."""
+    scale: float
+    """The routed scaling factor the chosen weights are multiplied by."""
+    float32_logits: bool
+    """Whether the router projects in float32 whatever the model's dtype."""
+    flattens: bool
+    """Whether the router flattens its input to `[tokens, hidden]` first."""
+    outputs: tuple[Role, ...]
+    """What the router returns, in order."""
+
+    @property
+    def grouped(self) -> bool:
+        """Whether vLLM's grouped top-k serves it: groups, sigmoid scores or a
+        correction bias (vLLM's plain top-k is softmax only)."""
+        return (
+            self.num_expert_group is not None
+            or self.scoring == "sigmoid"
+            or self.correction_bias is not None
+        )
+
+    def router_arguments(self, num_experts: int) -> dict:
+        """Arguments of vLLM's router for this routing. The scaling factor is
+        applied by `VllmRouter` itself: not every vLLM router applies it."""
+        return dict(
+            top_k=self.top_k,
+            global_num_experts=num_experts,
+            renormalize=self.renormalize,
+            use_grouped_topk=self.grouped,
+            num_expert_group=self.num_expert_group or 1 if self.grouped else None,
+            topk_group=self.topk_group or 1 if self.grouped else None,
+            scoring_func=self.scoring,
+            routed_scaling_factor=1.0,
+        )
+
+    def describe(self) -> str:
+        parts = [f"{self.scoring} top-{self.top_k}"]
+        if self.num_expert_group is not None:
+            parts.append(
+                f"in the best {self.topk_group} of {self.num_expert_group} groups"
+            )
+        if self.correction_bias is not None:
+            parts.append(f"choice corrected by `{self.correction_bias}`")
+        if self.renormalize:
+            parts.append("renormalised")
+        if self.scale != 1.0:
+            parts.append(f"scaled by {self.scale:g}")
+        if self.float32_logits:
+            parts.append("float32 logits")
+        return ", ".join(parts)
+
+
+class VllmRouter(nn.Module):
+    """An HF router's projection (`gate`, a vLLM linear) and routing (vLLM's
+    router, from `create_fused_moe_router`)."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        num_experts: int,
+        hidden_size: int,
+        has_bias: bool,
+        prefix: str,
+    ):
+        super().__init__()
+        self.routing = routing
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        # The model's dtype (vLLM's default while it builds) unless the router
+        # projects in float32.
+        self.gate = ReplicatedLinear(
+            hidden_size,
+            num_experts,
+            bias=has_bias,
+            params_dtype=torch.float32 if routing.float32_logits else None,
+            quant_config=None,
+            prefix=f"{prefix}.gate",
+            return_bias=False,
+        )
+        bias = None
+        if routing.correction_bias is not None:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+            )
+            bias = self.e_score_correction_bias
+        self.router = create_fused_moe_router(
+            **routing.router_arguments(num_experts), e_score_correction_bias=bias
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.routing.flattens:
+            hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        if self.routing.float32_logits:
+            hidden_states = hidden_states.float()
+        logits = self.gate(hidden_states)
+        flat = logits.reshape(-1, self.num_experts)
+        weights, ids = self.router.select_experts(
+            hidden_states.reshape(-1, self.hidden_size), flat
+        )
+        return route_outputs(self.routing, logits, weights, ids)
+
+
+def route_outputs(
+    routing: Routing, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The router's outputs, in its order, from vLLM's `[tokens, top_k]` choice."""
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
+    shape = (*logits.shape[:-1], routing.top_k)
+    found = {
+        "logits": logits,
+        "weights": weights.reshape(shape),
+        "ids": ids.reshape(shape),
+    }
+    return tuple(found[role] for role in routing.outputs)
+
+
+def reference_route(
+    routing: Routing, logits: torch.Tensor, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """What vLLM's router returns for `logits`, computed by its reference router
+    (the CPU router's plain torch ops, which every platform's kernels match);
+    used to prove a router equal before it is replaced."""
+    router = CPURouter(
+        **routing.router_arguments(logits.shape[-1]),
+        e_score_correction_bias=correction_bias,
+    )
+    flat = logits.reshape(-1, logits.shape[-1])
+    weights, ids = router.select_experts(flat, flat)
+    return route_outputs(routing, logits, weights, ids)
+
+
+def vllm_router_forward(self: nn.Module, hidden_states: torch.Tensor):
+    """The forward a fused HF router module takes: its vLLM router's."""
+    return getattr(self, ROUTER_ATTR)(hidden_states)
