@@ -268,6 +268,17 @@ class KeepsExpertZero(Router):
         return logits, weights, kept
 
 
+class BiasHandedIn(Router):
+    """The block hands in the correction bias (AFMoE): the fused forward takes
+    the hidden states only."""
+
+    def forward(self, hidden_states, expert_bias):
+        logits = F.linear(hidden_states, self.weight)
+        scores = logits.sigmoid()
+        ids = torch.topk(scores + expert_bias, self.top_k, dim=-1)[1]
+        return logits, scores.gather(1, ids), ids
+
+
 class TwoProjections(Router):
     def __init__(self):
         super().__init__()
@@ -291,6 +302,7 @@ class TwoProjections(Router):
         (Tempered(), "chooses other experts or weights"),
         (KeepsExpertZero(), "changes its top-k expert ids before"),
         (TwoProjections(), "from 2 projections, not one"),
+        (BiasHandedIn(), "reads inputs other than the hidden states"),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
 )

@@ -122,6 +122,8 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         )
         return "it changes its top-k expert ids before returning them" if changed else None
     chosen = ids[0].args[0]
+    if sum(node.op == "placeholder" for node in graph.nodes) != 1:
+        return "its routing reads inputs other than the hidden states"
     projection = _projection(graph, module)
     if isinstance(projection, str):
         return projection
