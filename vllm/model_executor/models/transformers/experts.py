@@ -101,7 +101,6 @@ class VllmExperts(nn.Module):
             top_k=layout.top_k,
             hidden_size=layout.hidden_size,
             intermediate_size=layout.intermediate_size,
-            params_dtype=vllm_config.model_config.dtype,
             renormalize=False,
             custom_routing_function=routing_chosen_by_transformers,
             activation=layout.activation,
