@@ -81,6 +81,8 @@ class FusionReport:
     """A pooling model's pooler: which token(s) it reads, normalised or not."""
     head: str | None = None
     """A classification model's head: its modules, in order, and its labels."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Modules left to Transformers whole (a vision tower), by name: why."""
 
     def record_module(
         self, module_class: str, matched: list[str], applied: list[str]
@@ -142,6 +144,7 @@ class FusionReport:
             "for lack of a tensor-parallel plan"
             + (f"; pooler: {self.pooler}" if self.pooler else "")
             + (f"; head: {self.head}" if self.head else "")
+            + (f"; kept with Transformers: {', '.join(self.kept)}" if self.kept else "")
         )
 
     def to_json(self) -> dict:

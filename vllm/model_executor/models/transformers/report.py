@@ -271,6 +271,10 @@ def render(report: FusionReport, style: Style) -> str:
             lines.append(f"  Head: {report.head}")
         attention = "causal" if report.causal else "encoder-only, no KV cache"
         lines.append(f"  Attention: {attention}")
+    if report.kept:
+        lines.append(style.head("\nKept with Transformers (not fused, replicated)"))
+        for module, why in report.kept.items():
+            lines.append(f"  model.{module}: {why}")
     verdict = style.good("SERVABLE") if report.servable else style.bad("NOT SERVABLE")
     lines.append(style.head("\nVerdict: ") + verdict)
     if report.reason:
