@@ -61,6 +61,12 @@ class Recipe:
     """Tokens the processor and config name, appended to `tiny.VOCAB` in this order."""
     placeholder: str
     """What the chat template writes for an image (the processor expands it)."""
+    has_processor: bool = True
+    """Whether its processor can be built here (Qwen2-VL's needs torchvision for its
+    video processor): without one, only text requests are checked."""
+    embed_scale: float = 1.0
+    """Multiplies the input embeddings after init (Gemma scales them by sqrt(hidden),
+    which at full size swamps the residual stream)."""
 
 
 RECIPES: dict[str, Recipe] = {
@@ -68,11 +74,13 @@ RECIPES: dict[str, Recipe] = {
     # projector, a Llama decoder; 16 image tokens for a 32x32 picture.
     "llava": Recipe("llava", ("<image>",), "<image>"),
     # Qwen2-VL: its own vision transformer at the image's own resolution (patches of
-    # 8 px merged 2x2), M-RoPE over (time, height, width) in the decoder.
+    # 8 px merged 2x2), M-RoPE over (time, height, width) in the decoder. Its
+    # processor needs torchvision: text requests only.
     "qwen2_vl": Recipe(
         "qwen2_vl",
         ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
         "<|vision_start|> <|image_pad|> <|vision_end|>",
+        has_processor=False,
     ),
     # Gemma 3: SigLIP tower, average-pooled to 4 soft tokens, a Gemma 3 decoder
     # whose image tokens attend to each other both ways in Transformers.
@@ -80,6 +88,7 @@ RECIPES: dict[str, Recipe] = {
         "gemma3",
         ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
         "<start_of_image>",
+        embed_scale=0.2,
     ),
 }
 
@@ -284,13 +293,18 @@ def make_processor(recipe: Recipe, tokenizer):
     raise KeyError(recipe.model_type)
 
 
+def requests(recipe: Recipe) -> dict[str, Request]:
+    """The `REQUESTS` the recipe is checked on."""
+    return {k: r for k, r in REQUESTS.items() if recipe.has_processor or not r.images}
+
+
 def fingerprint(name: str) -> str:
     recipe = RECIPES[name]
     data = dict(
         version=RECIPE_VERSION,
         recipe=asdict(recipe),
         config=config(recipe).to_json_string(use_diff=False),
-        requests={k: asdict(r) for k, r in REQUESTS.items()},
+        requests={k: asdict(r) for k, r in requests(recipe).items()},
         vocab=tiny.VOCAB,
         max_tokens=MAX_TOKENS,
         template=CHAT_TEMPLATE,
@@ -313,6 +327,7 @@ def _random_model(recipe: Recipe, seed: int):
         for _, param in sorted(model.named_parameters()):
             if param.ndim == 1:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+        model.get_input_embeddings().weight.mul_(recipe.embed_scale)
         model.get_output_embeddings().weight.mul_(2.0)
     model.generation_config = GenerationConfig(
         do_sample=False,
@@ -336,13 +351,14 @@ class Completion:
 
 
 def greedy(model, processor, recipe: Recipe, requests: list[Request]) -> list[Completion]:
-    """Transformers' greedy `generate` on each request (its processor's inputs)."""
+    """Transformers' greedy `generate` on each request (its processor's inputs; the
+    tokenizer's for a text request where there is no processor)."""
     import torch
 
     completions = []
     for request in requests:
-        images = [image.pil() for image in request.images] or None
-        inputs = processor(text=request.prompt(recipe), images=images, return_tensors="pt")
+        images = {"images": [i.pil() for i in request.images]} if request.images else {}
+        inputs = processor(text=request.prompt(recipe), return_tensors="pt", **images)
         with torch.no_grad():
             out = model.generate(
                 **inputs,
@@ -377,12 +393,14 @@ def build(name: str) -> Path:
     if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == want:
         return target
     tiny._quiet_transformers()
-    processor = make_processor(recipe, make_tokenizer(recipe))
-    requests = list(REQUESTS.values())
+    processor = make_tokenizer(recipe)
+    if recipe.has_processor:
+        processor = make_processor(recipe, processor)
+    checked = list(requests(recipe).values())
     best = (float("-inf"), None)
     for seed in range(tiny.SEED, tiny.SEED + MAX_SEED_TRIES):
         model = _random_model(recipe, seed)
-        completions = greedy(model, processor, recipe, requests)
+        completions = greedy(model, processor, recipe, checked)
         margin = min(min(c.margins) for c in completions)
         best = max(best, (margin, seed), key=lambda b: b[0])
         if margin >= MIN_MARGIN:
@@ -410,16 +428,19 @@ def reference(path: Path, name: str, requests: list[Request]) -> list[Completion
     """Transformers' greedy generation in float32 (eager attention) from the saved
     checkpoint and processor."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
     tiny._quiet_transformers()
-    processor = AutoProcessor.from_pretrained(str(path))
+    recipe = RECIPES[name]
+    loader = AutoProcessor if recipe.has_processor else AutoTokenizer
+    processor = loader.from_pretrained(str(path))
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    completions = greedy(model, processor, RECIPES[name], requests)
+    completions = greedy(model, processor, recipe, requests)
+    tokenizer = getattr(processor, "tokenizer", processor)
     for c in completions:
-        c.text = tiny.continuation_text(processor.tokenizer, c.prompt_ids, c.token_ids)
+        c.text = tiny.continuation_text(tokenizer, c.prompt_ids, c.token_ids)
     return completions
 
 
@@ -469,9 +490,9 @@ def run_engine(
 
 
 def _report(model) -> str | None:
-    """The backend's fusion report, inside the worker (none for stock)."""
+    """The backend's one-line fusion report, inside the worker (none for stock)."""
     report = getattr(model, "report", None)
-    return report.text() if report is not None and hasattr(report, "text") else None
+    return report.short() if report is not None else None
 
 
 def _engine_main(spec_file: str, out_file: str) -> None:

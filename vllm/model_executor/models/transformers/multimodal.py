@@ -281,7 +281,7 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
             for name in self.kept:
                 module = self.model.get_submodule(name)
                 setattr(self.model, name, StageMissingLayer("vision tower", module))
-                self.report.kept[name] = "not built: limit_mm_per_prompt image 0"
+                self.report.not_built[name] = "text only: limit_mm_per_prompt image 0"
         return hf_model
 
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:

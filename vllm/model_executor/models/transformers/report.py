@@ -275,6 +275,8 @@ def render(report: FusionReport, style: Style) -> str:
         lines.append(style.head("\nKept with Transformers (not fused, replicated)"))
         for module, why in report.kept.items():
             lines.append(f"  model.{module}: {why}")
+    for module, why in report.not_built.items():
+        lines.append(f"  model.{module}: not built ({why})")
     verdict = style.good("SERVABLE") if report.servable else style.bad("NOT SERVABLE")
     lines.append(style.head("\nVerdict: ") + verdict)
     if report.reason:

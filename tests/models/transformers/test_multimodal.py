@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Vision-language models (`multimodal.py`): greedy tokens and log-probabilities
+equal Transformers' `generate` on prompts with one image, two images and none, on
+the CPU engine and through the OpenAI server (an image as a `data:` URL); the
+vision tower stays Transformers' and is not built for a text-only engine; M-RoPE
+positions equal the HF model's.
+
+One engine start per case, shared by its tests. `E2E_IMPL=stock` runs the engine
+cases on vLLM's stock backend."""
+
+import base64
+import io
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+import tiny_multimodal  # noqa: E402
+
+REQUESTS = list(tiny_multimodal.REQUESTS)
+
+
+@pytest.fixture(scope="module")
+def llava() -> Path:
+    return tiny_multimodal.build("llava")
+
+
+@pytest.fixture(scope="module")
+def llava_reference(llava: Path) -> dict[str, tiny_multimodal.Completion]:
+    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+    return dict(zip(REQUESTS, tiny_multimodal.reference(llava, "llava", requests)))
+
+
+@pytest.fixture(scope="module")
+def llava_engine(llava: Path) -> tiny_multimodal.MultiModalRun:
+    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+    return tiny_multimodal.run_engine(
+        llava, "llava", requests, backend=tiny.IMPLS[tiny.e2e_impl()]["backend"]
+    )
+
+
+def _compare(
+    want: tiny_multimodal.Completion, got: tiny_multimodal.Completion
+) -> float:
+    assert got.prompt_ids == want.prompt_ids, "the image placeholders differ"
+    assert got.token_ids == want.token_ids
+    gap = max(abs(a - b) for a, b in zip(want.logprobs, got.logprobs))
+    assert gap <= tiny.LOGPROB_ATOL, f"logprob gap {gap:.3g}"
+    return gap
+
+
+@pytest.mark.parametrize("request_name", REQUESTS)
+def test_llava_equals_transformers(llava_reference, llava_engine, request_name):
+    """CLIP tower + projector (Transformers') and the Llama decoder on vLLM
+    attention: same greedy tokens and log-probabilities as Transformers."""
+    gap = _compare(
+        llava_reference[request_name], llava_engine.completions[REQUESTS.index(request_name)]
+    )
+    print(f"\n[e2e] llava, {request_name}: {llava_engine.seconds:.1f} s, gap {gap:.2e}")
+
+
+def test_llava_keeps_the_tower_with_transformers(llava_engine):
+    if tiny.e2e_impl() != "project":
+        pytest.skip("the fusion report is this backend's")
+    report = llava_engine.report
+    assert "vLLM attention in 4/4 layers" in report
+    assert "kept with Transformers: vision_tower, multi_modal_projector" in report
+
+
+def test_llava_text_only_engine_skips_the_tower(llava, llava_reference):
+    """`limit_mm_per_prompt={"image": 0}`: the tower is not built, its checkpoint
+    tensors are skipped, and a text prompt is served as Transformers does."""
+    if tiny.e2e_impl() != "project":
+        pytest.skip("the fusion report is this backend's")
+    run = tiny_multimodal.run_engine(
+        llava,
+        "llava",
+        [tiny_multimodal.REQUESTS["text only"]],
+        llm_kwargs=dict(limit_mm_per_prompt={"image": 0}),
+    )
+    _compare(llava_reference["text only"], run.completions[0])
+    assert "not built: vision_tower, multi_modal_projector" in run.report
+
+
+def _data_url(image: tiny_multimodal.Image) -> str:
+    buffer = io.BytesIO()
+    image.pil().save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
+    """The OpenAI server answers a chat request with an image (a `data:` URL) through
+    the official client, with Transformers' tokens: the chat template writes the
+    placeholder, the server's processor expands it."""
+    openai = pytest.importorskip("openai")
+    request = tiny_multimodal.REQUESTS["one image"]
+    before, after = request.text.split("{image}")
+    want = llava_reference["one image"]
+    with tiny.serve(
+        llava,
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        log_dir=tmp_path_factory.mktemp("server"),
+        extra_args=("--max-model-len", str(tiny_multimodal.MAX_MODEL_LEN)),
+    ) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        reply = client.chat.completions.create(
+            model=server.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": before.strip()},
+                        {"type": "image_url", "image_url": {"url": _data_url(request.images[0])}},
+                        {"type": "text", "text": after.strip()},
+                    ],
+                }
+            ],
+            max_tokens=tiny_multimodal.MAX_TOKENS,
+            temperature=0.0,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
+    tokens = [step.logprob for step in reply.choices[0].logprobs.content]
+    assert reply.choices[0].message.content == want.text.strip()
+    assert reply.usage.prompt_tokens == len(want.prompt_ids)
+    gap = max(abs(a - b) for a, b in zip(want.logprobs, tokens))
+    assert gap <= tiny.LOGPROB_ATOL
+
+
+# --- M-RoPE, no engine -------------------------------------------------------------
+
+
+def test_mrope_positions_equal_the_hf_model(build_backend):
+    """Qwen2-VL: the positions vLLM gets for a prompt with two images of different
+    sizes (from the placeholders it found) equal those the HF model computes, and
+    are not 1-D ones (text after an image moves on by the image's side, not its
+    token count). No engine: Qwen2-VL's processor needs torchvision (its video
+    processor), which does not match the engine's torch."""
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    recipe = tiny_multimodal.RECIPES["qwen2_vl"]
+    config = tiny_multimodal.config(recipe)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    image = config.image_token_id
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    grids = torch.tensor([[1, 4, 6], [1, 6, 4]])  # 32x48 and 48x32 pictures, 8 px patches
+    counts = [int(g.prod()) // 4 for g in grids]  # merged 2x2
+    ids = [tiny.BOS_ID, 7, start, *[image] * counts[0], end, 8, 9, start]
+    ids += [*[image] * counts[1], end, 10]
+    offsets = [3, 3 + counts[0] + 4]
+    features = [
+        SimpleNamespace(
+            modality="image",
+            mm_position=PlaceholderRange(offset=o, length=n),
+            data={"image_grid_thw": SimpleNamespace(data=g)},
+        )
+        for o, n, g in zip(offsets, counts, grids)
+    ]
+    positions, delta = model.get_mrope_input_positions(ids, features)
+
+    input_ids = torch.tensor([ids])
+    want, want_delta = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == image).int(), image_grid_thw=grids
+    )
+    assert torch.equal(positions, want[:, 0])
+    assert delta == int(want_delta) < 0
+    # After the first image (4 x 6 patches, merged to 2 x 3): text moves on by 3.
+    first_after = offsets[0] + counts[0]
+    assert positions[0, first_after].item() == positions[0, offsets[0]].item() + 3
