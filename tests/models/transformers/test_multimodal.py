@@ -107,7 +107,7 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("server"),
         extra_args=("--max-model-len", str(tiny_multimodal.MAX_MODEL_LEN)),
     ) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="unused")
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
         reply = client.chat.completions.create(
             model=server.model,
             messages=[
@@ -126,7 +126,7 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
             extra_body={"ignore_eos": True},
         )
     tokens = [step.logprob for step in reply.choices[0].logprobs.content]
-    assert reply.choices[0].message.content == want.text.strip()
+    assert reply.choices[0].message.content.strip() == want.text.strip()
     assert reply.usage.prompt_tokens == len(want.prompt_ids)
     gap = max(abs(a - b) for a, b in zip(want.logprobs, tokens))
     assert gap <= tiny.LOGPROB_ATOL

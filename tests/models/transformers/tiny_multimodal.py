@@ -101,6 +101,7 @@ def token_id(recipe: Recipe, token: str) -> int:
 
 
 CHAT_TEMPLATE = (
+    "{{ bos_token }} "
     "{%- for message in messages -%}"
     "{%- if message['content'] is string -%}{{ message['content'] }} "
     "{%- else -%}{%- for part in message['content'] -%}"
@@ -108,7 +109,8 @@ CHAT_TEMPLATE = (
     "{{ placeholder }} {% else %}{{ part['text'] }} {% endif -%}"
     "{%- endfor -%}{%- endif -%}{%- endfor -%}"
 )
-"""Each message's parts in order, an image as the recipe's placeholder, words apart."""
+"""`<s>`, then each message's parts in order, an image as the recipe's placeholder,
+words apart (vLLM tokenizes a rendered chat without adding `<s>` itself)."""
 
 
 @dataclass(frozen=True)
