@@ -132,6 +132,66 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
     assert gap <= tiny.LOGPROB_ATOL
 
 
+# --- Gemma 3 ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Path:
+    return tiny_multimodal.build("gemma3")
+
+
+@pytest.fixture(scope="module")
+def gemma3_engine(gemma3: Path) -> tiny_multimodal.MultiModalRun:
+    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+    return tiny_multimodal.run_engine(
+        gemma3, "gemma3", requests, backend=tiny.IMPLS[tiny.e2e_impl()]["backend"]
+    )
+
+
+def test_gemma3_equals_transformers_but_for_bidirectional_image_attention(
+    gemma3, gemma3_engine
+):
+    """SigLIP tower, pooled to 4 soft tokens between `<start_of_image>` and
+    `<end_of_image>`, and the Gemma 3 decoder (sliding layers, scaled embeddings):
+    Transformers' greedy tokens on every request and its log-probabilities on text.
+    With images, Transformers lets an image's tokens attend to each other both
+    ways; vLLM's CPU attention is causal (vLLM runs Gemma 3 as a prefix-LM only
+    on GPU backends), so the log-probabilities there equal Transformers' with that
+    attention causal instead (its token types dropped), and differ from its own by
+    the measured gap (README)."""
+    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+    want = tiny_multimodal.reference(gemma3, "gemma3", requests)
+    causal = tiny_multimodal.reference(gemma3, "gemma3", requests, causal_images=True)
+    for name, request, exact, causal_one, got in zip(
+        REQUESTS, requests, want, causal, gemma3_engine.completions
+    ):
+        assert got.token_ids == exact.token_ids, name
+        gap = _compare(causal_one if request.images else exact, got)
+        own = max(abs(a - b) for a, b in zip(exact.logprobs, got.logprobs))
+        print(f"\n[e2e] gemma3, {name}: gap {gap:.2e} (to Transformers' own: {own:.2e})")
+
+
+# --- Qwen2-VL: the decoder with M-RoPE -----------------------------------------------
+
+
+def test_qwen2_vl_text_equals_transformers():
+    """Qwen2-VL's decoder with multimodal rotary positions (three position rows,
+    from `get_mrope_input_positions`) on a text-only engine (the processor needs
+    torchvision, so no images here): Transformers' tokens and log-probabilities."""
+    path = tiny_multimodal.build("qwen2_vl")
+    requests = [tiny_multimodal.REQUESTS["text only"]]
+    (want,) = tiny_multimodal.reference(path, "qwen2_vl", requests)
+    run = tiny_multimodal.run_engine(
+        path,
+        "qwen2_vl",
+        requests,
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(limit_mm_per_prompt={"image": 0}),
+    )
+    gap = _compare(want, run.completions[0])
+    print(f"\n[e2e] qwen2_vl, text only: {run.seconds:.1f} s, gap {gap:.2e}")
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 

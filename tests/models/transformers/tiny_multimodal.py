@@ -51,6 +51,9 @@ TEXT: dict[str, Any] = dict(
 MAX_MODEL_LEN = 256
 MAX_TOKENS = 8
 MIN_MARGIN = 0.02
+MIN_DISTINCT = 3
+"""Distinct tokens each greedy continuation must have: a model that repeats one
+token (its `<s>`) would hide a wrong image or position behind the same output."""
 MAX_SEED_TRIES = 32
 
 
@@ -64,9 +67,6 @@ class Recipe:
     has_processor: bool = True
     """Whether its processor can be built here (Qwen2-VL's needs torchvision for its
     video processor): without one, only text requests are checked."""
-    embed_scale: float = 1.0
-    """Multiplies the input embeddings after init (Gemma scales them by sqrt(hidden),
-    which at full size swamps the residual stream)."""
 
 
 RECIPES: dict[str, Recipe] = {
@@ -88,7 +88,6 @@ RECIPES: dict[str, Recipe] = {
         "gemma3",
         ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
         "<start_of_image>",
-        embed_scale=0.2,
     ),
 }
 
@@ -227,6 +226,9 @@ def config(recipe: Recipe, vocab_size: int = VOCAB_SIZE):
                 patch_size=8,
             ),
             mm_tokens_per_image=4,
+            # Gemma 3 ties its LM head to the embeddings by default: with random
+            # weights the model then only repeats its input.
+            tie_word_embeddings=False,
             image_token_index=tid("<image_soft_token>"),
             boi_token_index=tid("<start_of_image>"),
             eoi_token_index=tid("<end_of_image>"),
@@ -309,6 +311,7 @@ def fingerprint(name: str) -> str:
         requests={k: asdict(r) for k, r in requests(recipe).items()},
         vocab=tiny.VOCAB,
         max_tokens=MAX_TOKENS,
+        min_distinct=MIN_DISTINCT,
         template=CHAT_TEMPLATE,
     )
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -329,7 +332,6 @@ def _random_model(recipe: Recipe, seed: int):
         for _, param in sorted(model.named_parameters()):
             if param.ndim == 1:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-        model.get_input_embeddings().weight.mul_(recipe.embed_scale)
         model.get_output_embeddings().weight.mul_(2.0)
     model.generation_config = GenerationConfig(
         do_sample=False,
@@ -352,15 +354,25 @@ class Completion:
     text: str = ""
 
 
-def greedy(model, processor, recipe: Recipe, requests: list[Request]) -> list[Completion]:
+def greedy(
+    model,
+    processor,
+    recipe: Recipe,
+    requests: list[Request],
+    causal_images: bool = False,
+) -> list[Completion]:
     """Transformers' greedy `generate` on each request (its processor's inputs; the
-    tokenizer's for a text request where there is no processor)."""
+    tokenizer's for a text request where there is no processor). `causal_images`
+    drops the token types with which Gemma 3 lets an image's tokens attend to each
+    other both ways."""
     import torch
 
     completions = []
     for request in requests:
         images = {"images": [i.pil() for i in request.images]} if request.images else {}
         inputs = processor(text=request.prompt(recipe), return_tensors="pt", **images)
+        if causal_images:
+            inputs.pop("token_type_ids", None)
         with torch.no_grad():
             out = model.generate(
                 **inputs,
@@ -386,8 +398,9 @@ def greedy(model, processor, recipe: Recipe, requests: list[Request]) -> list[Co
 
 def build(name: str) -> Path:
     """Build (or reuse) the tiny checkpoint folder of recipe `name`, with its
-    processor files; seeds are tried until every greedy step of `REQUESTS` keeps a
-    top-1/top-2 logit gap of `MIN_MARGIN`."""
+    processor files; seeds are tried until every greedy step of its requests keeps a
+    top-1/top-2 logit gap of `MIN_MARGIN` and every continuation has `MIN_DISTINCT`
+    tokens."""
     recipe = RECIPES[name]
     target = tiny.CACHE / f"mm-{name}"
     stamp = target / "tiny.json"
@@ -404,11 +417,15 @@ def build(name: str) -> Path:
         model = _random_model(recipe, seed)
         completions = greedy(model, processor, recipe, checked)
         margin = min(min(c.margins) for c in completions)
+        varied = all(len(set(c.token_ids)) >= MIN_DISTINCT for c in completions)
         best = max(best, (margin, seed), key=lambda b: b[0])
-        if margin >= MIN_MARGIN:
+        if margin >= MIN_MARGIN and varied:
             break
     else:
-        raise RuntimeError(f"{name}: no seed gives a margin of {MIN_MARGIN} ({best})")
+        raise RuntimeError(
+            f"{name}: no seed gives a margin of {MIN_MARGIN} and {MIN_DISTINCT} "
+            f"distinct tokens per continuation (best margin {best})"
+        )
     tiny.CACHE.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".mm-{name}-", dir=tiny.CACHE))
     try:
@@ -426,9 +443,11 @@ def build(name: str) -> Path:
     return target
 
 
-def reference(path: Path, name: str, requests: list[Request]) -> list[Completion]:
+def reference(
+    path: Path, name: str, requests: list[Request], causal_images: bool = False
+) -> list[Completion]:
     """Transformers' greedy generation in float32 (eager attention) from the saved
-    checkpoint and processor."""
+    checkpoint and processor (`causal_images`: see `greedy`)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
@@ -439,7 +458,7 @@ def reference(path: Path, name: str, requests: list[Request]) -> list[Completion
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    completions = greedy(model, processor, recipe, requests)
+    completions = greedy(model, processor, recipe, requests, causal_images)
     tokenizer = getattr(processor, "tokenizer", processor)
     for c in completions:
         c.text = tiny.continuation_text(tokenizer, c.prompt_ids, c.token_ids)
