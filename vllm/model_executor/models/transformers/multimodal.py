@@ -87,8 +87,11 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         token = getattr(processor, "image_token", None)
         if not isinstance(token, str):
             raise ValueError(
-                f"{type(processor).__name__} names no `image_token`, so the backend "
-                "cannot tell which token of a prompt stands for an image."
+                f"{type(processor).__name__} names no `image_token`: this backend "
+                "serves image inputs only (not audio or video yet), and cannot tell "
+                "which token of a prompt stands for an image. Set "
+                "VLLM_TRANSFORMERS_BACKEND=stock to serve this model with vLLM's "
+                "stock Transformers backend instead."
             )
         return token
 
