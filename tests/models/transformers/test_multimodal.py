@@ -10,6 +10,7 @@ One engine start per case, shared by its tests. `E2E_IMPL=stock` runs the engine
 cases on vLLM's stock backend."""
 
 import base64
+import functools
 import io
 import sys
 from pathlib import Path
@@ -25,22 +26,29 @@ import tiny_multimodal  # noqa: E402
 REQUESTS = list(tiny_multimodal.REQUESTS)
 
 
-@pytest.fixture(scope="module")
-def llava() -> Path:
-    return tiny_multimodal.build("llava")
+@functools.cache
+def checkpoint(name: str) -> Path:
+    return tiny_multimodal.build(name)
 
 
-@pytest.fixture(scope="module")
-def llava_reference(llava: Path) -> dict[str, tiny_multimodal.Completion]:
-    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
-    return dict(zip(REQUESTS, tiny_multimodal.reference(llava, "llava", requests)))
+@functools.cache
+def reference(name: str) -> dict[str, tiny_multimodal.Completion]:
+    requests = tiny_multimodal.requests(tiny_multimodal.RECIPES[name])
+    completions = tiny_multimodal.reference(
+        checkpoint(name), name, list(requests.values())
+    )
+    return dict(zip(requests, completions))
 
 
-@pytest.fixture(scope="module")
-def llava_engine(llava: Path) -> tiny_multimodal.MultiModalRun:
-    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+@functools.cache
+def engine(name: str) -> tiny_multimodal.MultiModalRun:
+    """One engine start per model, on all its requests, shared by the tests."""
+    requests = tiny_multimodal.requests(tiny_multimodal.RECIPES[name])
     return tiny_multimodal.run_engine(
-        llava, "llava", requests, backend=tiny.IMPLS[tiny.e2e_impl()]["backend"]
+        checkpoint(name),
+        name,
+        list(requests.values()),
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
     )
 
 
@@ -55,19 +63,31 @@ def _compare(
 
 
 @pytest.mark.parametrize("request_name", REQUESTS)
-def test_llava_equals_transformers(llava_reference, llava_engine, request_name):
-    """CLIP tower + projector (Transformers') and the Llama decoder on vLLM
-    attention: same greedy tokens and log-probabilities as Transformers."""
-    gap = _compare(
-        llava_reference[request_name], llava_engine.completions[REQUESTS.index(request_name)]
-    )
-    print(f"\n[e2e] llava, {request_name}: {llava_engine.seconds:.1f} s, gap {gap:.2e}")
+@pytest.mark.parametrize("name", ["llava", "emu3"])
+def test_equals_transformers(name, request_name):
+    """LLaVA: CLIP tower and projector (Transformers') and a Llama decoder on vLLM
+    attention. Emu3 (one of the models vLLM 0.32 sends to this backend by default):
+    a VQ-VAE turns the picture into tokens the decoder embeds. Same greedy tokens
+    and log-probabilities as Transformers on one image, two and none."""
+    run = engine(name)
+    gap = _compare(reference(name)[request_name], run.completions[REQUESTS.index(request_name)])
+    print(f"\n[e2e] {name}, {request_name}: {run.seconds:.1f} s, gap {gap:.2e}")
 
 
-def test_llava_keeps_the_tower_with_transformers(llava_engine):
+@pytest.fixture(scope="module")
+def llava() -> Path:
+    return checkpoint("llava")
+
+
+@pytest.fixture(scope="module")
+def llava_reference() -> dict[str, tiny_multimodal.Completion]:
+    return reference("llava")
+
+
+def test_llava_keeps_the_tower_with_transformers():
     if tiny.e2e_impl() != "project":
         pytest.skip("the fusion report is this backend's")
-    report = llava_engine.report
+    report = engine("llava").report
     assert "vLLM attention in 4/4 layers" in report
     assert "kept with Transformers: vision_tower, multi_modal_projector" in report
 
@@ -135,22 +155,7 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
 # --- Gemma 3 ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gemma3() -> Path:
-    return tiny_multimodal.build("gemma3")
-
-
-@pytest.fixture(scope="module")
-def gemma3_engine(gemma3: Path) -> tiny_multimodal.MultiModalRun:
-    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
-    return tiny_multimodal.run_engine(
-        gemma3, "gemma3", requests, backend=tiny.IMPLS[tiny.e2e_impl()]["backend"]
-    )
-
-
-def test_gemma3_equals_transformers_but_for_bidirectional_image_attention(
-    gemma3, gemma3_engine
-):
+def test_gemma3_equals_transformers_but_for_bidirectional_image_attention():
     """SigLIP tower, pooled to 4 soft tokens between `<start_of_image>` and
     `<end_of_image>`, and the Gemma 3 decoder (sliding layers, scaled embeddings):
     Transformers' greedy tokens on every request and its log-probabilities on text.
@@ -160,11 +165,14 @@ def test_gemma3_equals_transformers_but_for_bidirectional_image_attention(
     attention causal instead (its token types dropped), and differ from its own by
     the measured gap (README)."""
     requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
-    want = tiny_multimodal.reference(gemma3, "gemma3", requests)
-    causal = tiny_multimodal.reference(gemma3, "gemma3", requests, causal_images=True)
-    for name, request, exact, causal_one, got in zip(
-        REQUESTS, requests, want, causal, gemma3_engine.completions
+    want = reference("gemma3")
+    causal = tiny_multimodal.reference(
+        checkpoint("gemma3"), "gemma3", requests, causal_images=True
+    )
+    for name, request, causal_one, got in zip(
+        REQUESTS, requests, causal, engine("gemma3").completions
     ):
+        exact = want[name]
         assert got.token_ids == exact.token_ids, name
         gap = _compare(causal_one if request.images else exact, got)
         own = max(abs(a - b) for a, b in zip(exact.logprobs, got.logprobs))
@@ -178,17 +186,14 @@ def test_qwen2_vl_text_equals_transformers():
     """Qwen2-VL's decoder with multimodal rotary positions (three position rows,
     from `get_mrope_input_positions`) on a text-only engine (the processor needs
     torchvision, so no images here): Transformers' tokens and log-probabilities."""
-    path = tiny_multimodal.build("qwen2_vl")
-    requests = [tiny_multimodal.REQUESTS["text only"]]
-    (want,) = tiny_multimodal.reference(path, "qwen2_vl", requests)
     run = tiny_multimodal.run_engine(
-        path,
+        checkpoint("qwen2_vl"),
         "qwen2_vl",
-        requests,
+        [tiny_multimodal.REQUESTS["text only"]],
         backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
         llm_kwargs=dict(limit_mm_per_prompt={"image": 0}),
     )
-    gap = _compare(want, run.completions[0])
+    gap = _compare(reference("qwen2_vl")["text only"], run.completions[0])
     print(f"\n[e2e] qwen2_vl, text only: {run.seconds:.1f} s, gap {gap:.2e}")
 
 

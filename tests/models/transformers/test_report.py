@@ -103,7 +103,7 @@ def test_vision_language_report_shows_the_tower_kept_beside_the_fused_decoder(
     assert all(not c.startswith("CLIP") for c in report.classes), "tower analysed"
     rendered = render(report, Style(False))
     assert "Kept with Transformers (not fused, replicated)" in rendered
-    assert "  model.vision_tower: CLIPVisionModel: the vision tower" in rendered
+    assert "  model.vision_tower: CLIPVisionModel: encodes images" in rendered
 
 
 def test_moe_blocks_are_listed_with_experts_top_k_activation_and_path(vllm_runtime):

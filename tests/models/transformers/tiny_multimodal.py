@@ -67,6 +67,9 @@ class Recipe:
     has_processor: bool = True
     """Whether its processor can be built here (Qwen2-VL's needs torchvision for its
     video processor): without one, only text requests are checked."""
+    engine_prefix: str = ""
+    """What the processor writes before any text (Emu3's processor its `<s>`), which
+    a prompt given to vLLM (tokenized, not processed) spells itself."""
 
 
 RECIPES: dict[str, Recipe] = {
@@ -89,10 +92,24 @@ RECIPES: dict[str, Recipe] = {
         ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
         "<start_of_image>",
     ),
+    # Emu3: no vision encoder but a VQ-VAE (`vqmodel`) that turns a picture into
+    # discrete tokens, embedded with the text embeddings; each image is written as
+    # its size and rows of image tokens, one more per row for the row ends.
+    "emu3": Recipe(
+        "emu3",
+        (
+            "<image>",
+            "<|image start|>",
+            "<|image end|>",
+            "<|image token|>",
+            "<|extra_201|>",
+            "<|extra_200|>",
+            *(f"<|visual token {i:06d}|>" for i in range(32)),
+        ),
+        "<image>",
+        engine_prefix=f"{tiny.BOS} ",
+    ),
 }
-
-VOCAB_SIZE = tiny.VOCAB_SIZE + 4
-"""`tiny`'s words, and room for the image tokens of any recipe."""
 
 
 def token_id(recipe: Recipe, token: str) -> int:
@@ -154,12 +171,13 @@ REQUESTS: dict[str, Request] = {
 their own resolution; the fixed-size towers see them resized)."""
 
 
-def config(recipe: Recipe, vocab_size: int = VOCAB_SIZE):
-    """The Transformers config of `recipe`'s tiny model."""
+def config(recipe: Recipe):
+    """The Transformers config of `recipe`'s tiny model: its vocabulary is `tiny`'s
+    words and the recipe's image tokens."""
     from transformers import AutoConfig
 
     tid = lambda token: token_id(recipe, token)  # noqa: E731
-    text = dict(TEXT, vocab_size=vocab_size)
+    text = dict(TEXT, vocab_size=tiny.VOCAB_SIZE + len(recipe.image_tokens))
     if recipe.model_type == "llava":
         return AutoConfig.for_model(
             "llava",
@@ -234,7 +252,40 @@ def config(recipe: Recipe, vocab_size: int = VOCAB_SIZE):
             eoi_token_index=tid("<end_of_image>"),
             initializer_range=0.1,
         )
+    if recipe.model_type == "emu3":
+        return AutoConfig.for_model(
+            "emu3",
+            text_config=text,
+            vocabulary_map={token: tid(token) for token in recipe.image_tokens},
+            vq_config=dict(
+                codebook_size=32,
+                embed_dim=4,
+                latent_channels=4,
+                base_channels=32,  # GroupNorm's 32 groups
+                channel_multiplier=[1, 1, 1, 1],  # 8 px per image token
+                num_res_blocks=1,
+                attn_resolutions=[],
+                hidden_size=32,
+                num_attention_heads=1,
+            ),
+        )
     raise KeyError(recipe.model_type)
+
+
+TOKENIZER_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    },
+    "emu3": {
+        "image_token": "<image>",
+        "boi_token": "<|image start|>",
+        "eoi_token": "<|image end|>",
+        "image_wrapper_token": "<|image token|>",
+        "eof_token": "<|extra_201|>",
+    },
+}
 
 
 def make_tokenizer(recipe: Recipe):
@@ -246,15 +297,10 @@ def make_tokenizer(recipe: Recipe):
     )
     for token in recipe.image_tokens:
         assert tokenizer.convert_tokens_to_ids(token) == token_id(recipe, token)
-    if recipe.model_type == "gemma3":
-        # Gemma 3's processor reads these names off its tokenizer.
-        tokenizer._set_model_specific_special_tokens(
-            {
-                "boi_token": "<start_of_image>",
-                "eoi_token": "<end_of_image>",
-                "image_token": "<image_soft_token>",
-            }
-        )
+    # Gemma 3's and Emu3's processors read these names off their tokenizer.
+    names = TOKENIZER_NAMES.get(recipe.model_type)
+    if names is not None:
+        tokenizer._set_model_specific_special_tokens(names)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("{{ placeholder }}", recipe.placeholder)
     return tokenizer
 
@@ -276,16 +322,6 @@ def make_processor(recipe: Recipe, tokenizer):
             num_additional_image_tokens=1,
             chat_template=template,
         )
-    if recipe.model_type == "qwen2_vl":
-        images = t.Qwen2VLImageProcessorPil(
-            patch_size=8,
-            merge_size=2,
-            temporal_patch_size=2,
-            size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
-        )
-        return t.Qwen2VLProcessor(
-            image_processor=images, tokenizer=tokenizer, chat_template=template
-        )
     if recipe.model_type == "gemma3":
         images = t.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
         return t.Gemma3Processor(
@@ -293,6 +329,14 @@ def make_processor(recipe: Recipe, tokenizer):
             tokenizer=tokenizer,
             image_seq_length=4,
             chat_template=template,
+        )
+    if recipe.model_type == "emu3":
+        # Emu3's image processor is numpy/PIL-based already (no torchvision).
+        images = t.Emu3ImageProcessor(
+            min_pixels=32 * 32, max_pixels=32 * 32, spatial_factor=8
+        )
+        return t.Emu3Processor(
+            image_processor=images, tokenizer=tokenizer, chat_template=template
         )
     raise KeyError(recipe.model_type)
 
@@ -492,7 +536,10 @@ def run_engine(
     spec = dict(
         model=str(path),
         requests=[
-            dict(prompt=r.prompt(recipe), images=[asdict(i) for i in r.images])
+            dict(
+                prompt=recipe.engine_prefix + r.prompt(recipe),
+                images=[asdict(i) for i in r.images],
+            )
             for r in requests
         ],
         llm_kwargs=llm_kwargs or {},

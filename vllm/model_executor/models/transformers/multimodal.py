@@ -23,7 +23,8 @@ Three stages, each on the model's own Transformers code:
 Every child of the HF base model other than its text model (the tower, the
 projector) is kept with Transformers: not fused, attention not dispatched to vLLM
 (its config is not the text config the backend patches), replicated on every rank.
-With `limit_mm_per_prompt={"image": 0}` they are not built at all.
+With `limit_mm_per_prompt={"image": 0}` they are dropped while still on `meta`
+(never allocated, their checkpoint tensors skipped).
 """
 
 import functools
@@ -40,6 +41,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
 from vllm.model_executor.models.transformers.base import Base
 from vllm.model_executor.models.transformers.causal import CausalMixin
+from vllm.model_executor.models.transformers.loading import BASE
 from vllm.model_executor.models.utils import (
     StageMissingLayer,
     _merge_multimodal_embeddings,
@@ -67,6 +69,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 IMAGE = "image"
+
+PROBE_WORD = "a"
+"""A text the processor is given alone, to see what it adds around any text."""
 
 TEXT_FIELDS = frozenset(
     {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
@@ -96,34 +101,56 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         return token
 
     def image_token_id(self) -> int:
-        """The token that receives an image embedding (the model config's)."""
+        """The token that receives an image embedding: the model config's, else the
+        processor's (Emu3 keeps it in its vocabulary map). The config's comes first:
+        Gemma 3's processor names its begin-of-image token so."""
         config = self.get_hf_config()
-        token_id = getattr(config, "image_token_id", None)
-        if not isinstance(token_id, int):
-            raise ValueError(
-                f"{type(config).__name__} has no `image_token_id`: the backend "
-                "cannot tell which tokens receive image embeddings."
-            )
-        return token_id
+        processor = self.get_hf_processor()
+        for owner in (config, processor):
+            token_id = getattr(owner, "image_token_id", None)
+            if isinstance(token_id, int):
+                return token_id
+        raise ValueError(
+            f"Neither {type(config).__name__} nor {type(processor).__name__} has an "
+            "`image_token_id`: the backend cannot tell which tokens receive image "
+            "embeddings."
+        )
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one info per processor
     def expansion(self, width: int, height: int) -> tuple[int, ...]:
         """The tokens the processor writes in place of one placeholder for an image
-        of this size (what it would insert into the prompt's text)."""
+        of this size (what it would insert into the prompt's text), without what it
+        adds around any text (Emu3's processor writes its `<s>` first)."""
         processor = self.get_hf_processor()
-        outputs = processor(
+        ids = processor(
             text=self.placeholder(),
             images=[Image.new("RGB", (width, height))],
             add_special_tokens=False,
-            return_tensors="pt",
-        )
-        ids = outputs["input_ids"][0].tolist()
+        )["input_ids"][0]
+        prefix, suffix = self._added_around_text()
+        ids = ids[len(prefix) : len(ids) - len(suffix)]
         if self.image_token_id() not in ids:
             raise ValueError(
                 f"{type(processor).__name__} writes no image token "
                 f"({self.image_token_id()}) for an image of {width}x{height}: {ids}"
             )
         return tuple(ids)
+
+    def _added_around_text(self) -> tuple[list[int], list[int]]:
+        """What the processor adds before and after a text without images."""
+        processor = self.get_hf_processor()
+        word = self.get_tokenizer().encode(PROBE_WORD, add_special_tokens=False)
+        ids = list(processor(text=PROBE_WORD, add_special_tokens=False)["input_ids"][0])
+        start = next(
+            (i for i in range(len(ids)) if ids[i : i + len(word)] == word), None
+        )
+        if start is None:
+            raise ValueError(
+                f"{type(processor).__name__} does not keep the text it is given "
+                f"({PROBE_WORD!r} became {ids}), so the backend cannot tell what it "
+                "writes for an image."
+            )
+        return ids[:start], ids[start + len(word) :]
 
     def image_size_with_most_features(self) -> ImageSize:
         """The largest image the processor keeps as it is: its fixed size (a crop
@@ -137,8 +164,12 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
             if "height" in size and "width" in size:
                 return ImageSize(width=size["width"], height=size["height"])
         for size in sizes:
-            if "longest_edge" in size and "shortest_edge" in size:  # pixels (Qwen2-VL)
-                side = int(size["longest_edge"] ** 0.5)
+            # A pixel budget: Qwen2-VL's (edges in pixels), Emu3's.
+            budget = size.get("max_pixels") or (
+                size.get("longest_edge") if "shortest_edge" in size else None
+            )
+            if budget is not None:
+                side = int(budget**0.5)
                 return ImageSize(width=side, height=side)
             if "shortest_edge" in size:
                 return ImageSize(
@@ -265,9 +296,9 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
         language_model = self.model.get_decoder()
         return {
             name: (
-                f"{type(child).__name__}: the vision tower and projector run as "
-                "Transformers computes them (their attention is not the text "
-                "config's, so it is not dispatched to vLLM)"
+                f"{type(child).__name__}: encodes images as Transformers does (its "
+                "config is not the text config, so its attention is not "
+                "dispatched to vLLM); not fused, replicated on every rank"
             )
             for name, child in self.model.named_children()
             if child is not language_model and next(child.parameters(), None) is not None
@@ -279,12 +310,16 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
         self.text_only = mm_config is not None and mm_config.get_limit_per_prompt(
             IMAGE
         ) == 0
+        for name, why in self.kept.items():
+            logger.info("Kept with Transformers: %s.%s (%s)", BASE, name, why)
         if self.text_only:
-            # Not built, and their checkpoint tensors are skipped at load.
+            # Dropped while still on `meta`: never allocated, and their checkpoint
+            # tensors are skipped at load.
             for name in self.kept:
                 module = self.model.get_submodule(name)
                 setattr(self.model, name, StageMissingLayer("vision tower", module))
                 self.report.not_built[name] = "text only: limit_mm_per_prompt image 0"
+                logger.info("Not built: %s.%s (text only)", BASE, name)
         return hf_model
 
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
