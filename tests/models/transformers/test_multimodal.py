@@ -238,3 +238,48 @@ def test_mrope_positions_equal_the_hf_model(build_backend):
     # After the first image (4 x 6 patches, merged to 2 x 3): text moves on by 3.
     first_after = offsets[0] + counts[0]
     assert positions[0, first_after].item() == positions[0, offsets[0]].item() + 3
+
+
+# --- construction, no engine -------------------------------------------------------
+
+
+def test_moe_decoder_behind_a_vision_tower(build_backend):
+    """`TransformersMultiModalMoEForCausalLM`: a LLaVA whose decoder is a Mixtral
+    gets its experts on vLLM's fused MoE and its attention on vLLM, while the CLIP
+    tower and projector stay plain Transformers modules (no vLLM layer inside)."""
+    from transformers import AutoConfig
+
+    from vllm.model_executor.layers.linear import LinearBase
+
+    config = AutoConfig.for_model(
+        "llava",
+        architectures=["LlavaForConditionalGeneration"],
+        text_config=dict(
+            tiny_multimodal.TEXT,
+            model_type="mixtral",
+            vocab_size=tiny.VOCAB_SIZE + 1,
+            num_hidden_layers=2,
+            num_local_experts=4,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,  # as many as the decoder: not taken for its stack
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        image_token_id=tiny.VOCAB_SIZE,
+    )
+    model = build_backend(config, backend_class="TransformersMultiModalMoEForCausalLM")
+    report = model.report
+    assert report.servable and len(report.attention) == 2
+    assert [d.split(":")[0] for d in report.details["moe"]] == [
+        f"model.language_model.layers.{i}.mlp.experts (MixtralExperts)" for i in range(2)
+    ]
+    assert all("vLLM fused MoE" in d for d in report.details["moe"])
+    assert set(report.kept) == {"vision_tower", "multi_modal_projector"}
+    for name in report.kept:
+        tower = model.model.get_submodule(name)
+        assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
