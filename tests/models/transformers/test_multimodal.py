@@ -62,6 +62,7 @@ def _compare(
     return gap
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("request_name", REQUESTS)
 @pytest.mark.parametrize("name", ["llava", "emu3"])
 def test_equals_transformers(name, request_name):
@@ -70,7 +71,8 @@ def test_equals_transformers(name, request_name):
     a VQ-VAE turns the picture into tokens the decoder embeds. Same greedy tokens
     and log-probabilities as Transformers on one image, two and none."""
     run = engine(name)
-    gap = _compare(reference(name)[request_name], run.completions[REQUESTS.index(request_name)])
+    got = run.completions[REQUESTS.index(request_name)]
+    gap = _compare(reference(name)[request_name], got)
     print(f"\n[e2e] {name}, {request_name}: {run.seconds:.1f} s, gap {gap:.2e}")
 
 
@@ -84,6 +86,7 @@ def llava_reference() -> dict[str, tiny_multimodal.Completion]:
     return reference("llava")
 
 
+@pytest.mark.engine
 def test_llava_keeps_the_tower_with_transformers():
     if tiny.e2e_impl() != "project":
         pytest.skip("the fusion report is this backend's")
@@ -92,8 +95,9 @@ def test_llava_keeps_the_tower_with_transformers():
     assert "kept with Transformers: vision_tower, multi_modal_projector" in report
 
 
+@pytest.mark.engine
 def test_llava_text_only_engine_skips_the_tower(llava, llava_reference):
-    """`limit_mm_per_prompt={"image": 0}`: the tower is not built, its checkpoint
+    """`limit_mm_per_prompt={"image": 0}`: the tower is dropped on `meta`, its checkpoint
     tensors are skipped, and a text prompt is served as Transformers does."""
     if tiny.e2e_impl() != "project":
         pytest.skip("the fusion report is this backend's")
@@ -113,6 +117,7 @@ def _data_url(image: tiny_multimodal.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+@pytest.mark.engine
 def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
     """The OpenAI server answers a chat request with an image (a `data:` URL) through
     the official client, with Transformers' tokens: the chat template writes the
@@ -135,7 +140,10 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
                     "role": "user",
                     "content": [
                         {"type": "text", "text": before.strip()},
-                        {"type": "image_url", "image_url": {"url": _data_url(request.images[0])}},
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": _data_url(request.images[0])},
+                        },
                         {"type": "text", "text": after.strip()},
                     ],
                 }
@@ -155,6 +163,7 @@ def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
 # --- Gemma 3 ---------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_gemma3_equals_transformers_but_for_bidirectional_image_attention():
     """SigLIP tower, pooled to 4 soft tokens between `<start_of_image>` and
     `<end_of_image>`, and the Gemma 3 decoder (sliding layers, scaled embeddings):
@@ -176,12 +185,13 @@ def test_gemma3_equals_transformers_but_for_bidirectional_image_attention():
         assert got.token_ids == exact.token_ids, name
         gap = _compare(causal_one if request.images else exact, got)
         own = max(abs(a - b) for a, b in zip(exact.logprobs, got.logprobs))
-        print(f"\n[e2e] gemma3, {name}: gap {gap:.2e} (to Transformers' own: {own:.2e})")
+        print(f"\n[e2e] gemma3, {name}: gap {gap:.2e} (to Transformers': {own:.2e})")
 
 
 # --- Qwen2-VL: the decoder with M-RoPE -----------------------------------------------
 
 
+@pytest.mark.engine
 def test_qwen2_vl_text_equals_transformers():
     """Qwen2-VL's decoder with multimodal rotary positions (three position rows,
     from `get_mrope_input_positions`) on a text-only engine (the processor needs
@@ -214,7 +224,7 @@ def test_mrope_positions_equal_the_hf_model(build_backend):
     model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
     image = config.image_token_id
     start, end = config.vision_start_token_id, config.vision_end_token_id
-    grids = torch.tensor([[1, 4, 6], [1, 6, 4]])  # 32x48 and 48x32 pictures, 8 px patches
+    grids = torch.tensor([[1, 4, 6], [1, 6, 4]])  # 32x48 and 48x32 px, 8 px patches
     counts = [int(g.prod()) // 4 for g in grids]  # merged 2x2
     ids = [tiny.BOS_ID, 7, start, *[image] * counts[0], end, 8, 9, start]
     ids += [*[image] * counts[1], end, 10]
@@ -276,7 +286,8 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
     report = model.report
     assert report.servable and len(report.attention) == 2
     assert [d.split(":")[0] for d in report.details["moe"]] == [
-        f"model.language_model.layers.{i}.mlp.experts (MixtralExperts)" for i in range(2)
+        f"model.language_model.layers.{i}.mlp.experts (MixtralExperts)"
+        for i in range(2)
     ]
     assert all("vLLM fused MoE" in d for d in report.details["moe"])
     assert set(report.kept) == {"vision_tower", "multi_modal_projector"}

@@ -141,7 +141,7 @@ def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
         for name, r in reports.items()
     ]
     grouped = causes(rows)
-    # Servable ones (llama, and llava through the vision-language class) are in no group.
+    # Servable ones (llama; llava through the vision-language class): in no group.
     assert list(grouped.values()) == [["bloom", "codegen"]]
     (interface,) = grouped
     assert interface.startswith("No module in it calls the Transformers attention")

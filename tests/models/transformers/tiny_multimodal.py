@@ -143,7 +143,8 @@ class Image:
 
         rng = np.random.default_rng(self.seed)
         gradient = np.linspace(0, 255, self.width)[None, :, None]
-        pixels = 0.5 * gradient + 0.5 * rng.integers(0, 256, (self.height, self.width, 3))
+        noise = rng.integers(0, 256, (self.height, self.width, 3))
+        pixels = 0.5 * gradient + 0.5 * noise
         return PILImage.fromarray(pixels.astype(np.uint8), "RGB")
 
 
@@ -301,7 +302,8 @@ def make_tokenizer(recipe: Recipe):
     names = TOKENIZER_NAMES.get(recipe.model_type)
     if names is not None:
         tokenizer._set_model_specific_special_tokens(names)
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("{{ placeholder }}", recipe.placeholder)
+    template = CHAT_TEMPLATE.replace("{{ placeholder }}", recipe.placeholder)
+    tokenizer.chat_template = template
     return tokenizer
 
 
@@ -509,7 +511,7 @@ def reference(
     return completions
 
 
-# --- vLLM engine, in a fresh interpreter ------------------------------------------------
+# --- vLLM engine, in a fresh interpreter --------------------------------------------
 
 
 @dataclass

@@ -301,7 +301,8 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
                 "dispatched to vLLM); not fused, replicated on every rank"
             )
             for name, child in self.model.named_children()
-            if child is not language_model and next(child.parameters(), None) is not None
+            if child is not language_model
+            and next(child.parameters(), None) is not None
         }
 
     def build(self, vllm_config: "VllmConfig", prefix: str) -> PreTrainedModel:
