@@ -97,8 +97,9 @@ def test_llava_keeps_the_tower_with_transformers():
 
 @pytest.mark.engine
 def test_llava_text_only_engine_skips_the_tower(llava, llava_reference):
-    """`limit_mm_per_prompt={"image": 0}`: the tower is dropped on `meta`, its checkpoint
-    tensors are skipped, and a text prompt is served as Transformers does."""
+    """`limit_mm_per_prompt={"image": 0}`: the tower is dropped on `meta`, its
+    checkpoint tensors are skipped, and a text prompt is served as Transformers
+    does."""
     if tiny.e2e_impl() != "project":
         pytest.skip("the fusion report is this backend's")
     run = tiny_multimodal.run_engine(
