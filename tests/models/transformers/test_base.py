@@ -77,8 +77,6 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
 @pytest.mark.parametrize(
     "backend_class",
     [
-        "TransformersMultiModalForCausalLM",
-        "TransformersMultiModalMoEForCausalLM",
         "TransformersMoEEmbeddingModel",
         "TransformersMoEForSequenceClassification",
     ],
@@ -96,6 +94,7 @@ BUILD_CODE = (
     "causal.py",
     "pooling.py",
     "experts.py",
+    "multimodal.py",
     "loading.py",
     "fusion_report.py",
 )

@@ -75,7 +75,7 @@ def test_latent_attention_passes_the_attention_width_checks(vllm_runtime):
 
 
 def small_llava() -> PreTrainedConfig:
-    """A multimodal model (a family not built yet): Llama behind a CLIP tower."""
+    """A vision-language model: Llama behind a CLIP tower."""
     return AutoConfig.for_model(
         "llava",
         architectures=["LlavaForConditionalGeneration"],
@@ -92,11 +92,18 @@ def small_llava() -> PreTrainedConfig:
     )
 
 
-def test_model_family_not_built_yet_is_not_servable_but_still_analysed(vllm_runtime):
+def test_vision_language_report_shows_the_tower_kept_beside_the_fused_decoder(
+    vllm_runtime,
+):
     report = build_report(small_llava(), "llava")
-    assert not report.servable
-    assert "VLLM_TRANSFORMERS_BACKEND=stock" in report.reason
-    assert len(report.attention) == 2
+    assert report.servable, report.reason
+    assert len(report.attention) == 2  # the decoder's layers, not the tower's
+    assert report.fusions["qkv"] == 2 and report.fusions["glu"] == 2
+    assert set(report.kept) == {"vision_tower", "multi_modal_projector"}
+    assert all(not c.startswith("CLIP") for c in report.classes), "tower analysed"
+    rendered = render(report, Style(False))
+    assert "Kept with Transformers (not fused, replicated)" in rendered
+    assert "  model.vision_tower: CLIPVisionModel: encodes images" in rendered
 
 
 def test_moe_blocks_are_listed_with_router_experts_top_k_activation_and_path(vllm_runtime):
@@ -139,11 +146,11 @@ def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
         for name, r in reports.items()
     ]
     grouped = causes(rows)
-    assert list(grouped.values()) == [["bloom", "codegen"], ["llava"]]
-    interface, multimodal = grouped
+    # Servable ones (llama; llava through the vision-language class): in no group.
+    assert list(grouped.values()) == [["bloom", "codegen"]]
+    (interface,) = grouped
     assert interface.startswith("No module in it calls the Transformers attention")
     assert "Bloom" not in interface and "CodeGen" not in interface
-    assert multimodal.startswith("multimodal models are not supported")
 
 
 def test_command_prints_json_and_plain_text(tmp_path):

@@ -21,6 +21,10 @@ from vllm.model_executor.models.transformers.experts import (
     VLLM_EXPERTS,
     vllm_experts_forward,
 )
+from vllm.model_executor.models.transformers.multimodal import (
+    MultiModalMixin,
+    register_processor,
+)
 from vllm.model_executor.models.transformers.pooling import (
     EmbeddingMixin,
     SequenceClassificationMixin,
@@ -74,12 +78,18 @@ def _not_yet_supported(name: str, kind: str) -> type[NotYetSupported]:
     )
 
 
-TransformersMultiModalForCausalLM = _not_yet_supported(
-    "TransformersMultiModalForCausalLM", "multimodal models"
-)
-TransformersMultiModalMoEForCausalLM = _not_yet_supported(
-    "TransformersMultiModalMoEForCausalLM", "multimodal mixture-of-experts models"
-)
+@register_processor
+class TransformersMultiModalForCausalLM(MultiModalMixin):
+    """A vision-language model from Transformers: its text decoder fused on vLLM
+    attention, its vision tower and projector left to Transformers."""
+
+
+@register_processor
+class TransformersMultiModalMoEForCausalLM(MultiModalMixin):
+    """A vision-language model whose text decoder is a mixture of experts (run on
+    vLLM's fused MoE, `experts.py`)."""
+
+
 TransformersMoEEmbeddingModel = _not_yet_supported(
     "TransformersMoEEmbeddingModel", "mixture-of-experts embedding models"
 )

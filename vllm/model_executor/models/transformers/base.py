@@ -247,7 +247,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             or getattr(self.config, "tie_word_embeddings", False)
         )
 
-        layers_name, layers = decoder_layers(self.model, self.text_config)
+        self.kept = self.kept_with_transformers(vllm_config)
+        self.report.kept = dict(self.kept)
+        layers_name, layers = decoder_layers(self.model, self.text_config, self.kept)
         self.layout.decoder_layers = (layers_name, len(layers))
         self.layer_range = stage_layer_range(self.text_config, self.pp_group)
         self.report.num_layers = len(self.layer_range)
@@ -260,7 +262,12 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         )
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
-        self.plan = Fusers(self.model, vllm_config, prefix=BASE)
+        self.plan = Fusers(
+            self.model,
+            vllm_config,
+            prefix=BASE,
+            kept=[f"{BASE}.{name}" for name in self.kept],
+        )
         self.report.record_plan(self.plan)
         # Known before any layer is built, so quantisation and LoRA read them in time.
         self.packed_modules_mapping = self.plan.packed_modules_mapping
@@ -288,6 +295,12 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         )
         return hf_model
 
+    def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
+        """Modules of the base model left to Transformers whole (by name, with why):
+        not fused, their linears not swapped, replicated on every rank. None here; a
+        multimodal model keeps its vision tower."""
+        return {}
+
     def apply(self, tp_plan: dict[str, str] | None) -> list[AttentionSite]:
         """Stage 3: apply each module's planned fusers through the fuser contract,
         then swap the remaining HF linears and the vocab embedding for vLLM's.
@@ -300,6 +313,8 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             for name, child in list(module.named_children()):
                 rel = f"{relative}{name}"
                 qualname = f"{BASE}.{rel}"
+                if rel in self.kept:
+                    continue
                 fusers = self.plan[child]
                 self.report.record_module(
                     type(child).__name__,

@@ -17,7 +17,7 @@ The third stage, applying the plan, is the backend's (`base.py`).
 
 import threading
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -199,13 +199,23 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
     """Stage 2: the fusers each module of `model` takes, in the order to apply them,
     and the class analyses and instance declines behind that plan."""
 
-    def __init__(self, model: nn.Module, vllm_config: "VllmConfig", prefix: str = ""):
+    def __init__(
+        self,
+        model: nn.Module,
+        vllm_config: "VllmConfig",
+        prefix: str = "",
+        kept: Collection[str] = (),
+    ):
+        """`kept`: names (with `prefix`) of modules left to Transformers whole, which
+        are neither analysed nor planned, nor anything under them."""
         self._fusers: dict[nn.Module, tuple[BaseFuser, ...]] = {}
         self.analyses: dict[str, ClassAnalysis] = {}
         """Module class name -> its class analysis, for the classes in `model`."""
         self.declined: list[InstanceDecline] = []
         self._why_not: dict[nn.Module, list[str]] = {}
         for name, module in model.named_modules(prefix=prefix):
+            if any(name == k or name.startswith(f"{k}.") for k in kept):
+                continue
             analysis = analyse(module)
             self._why_not[module] = [
                 f"{d.fuser}: {d.reason} ({d.location})" for d in analysis.declined

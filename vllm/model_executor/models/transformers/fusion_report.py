@@ -81,6 +81,10 @@ class FusionReport:
     """A pooling model's pooler: which token(s) it reads, normalised or not."""
     head: str | None = None
     """A classification model's head: its modules, in order, and its labels."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Modules left to Transformers whole (a vision tower), by name: why."""
+    not_built: dict[str, str] = field(default_factory=dict)
+    """Modules not built at all (the tower of a text-only engine), by name: why."""
 
     def record_module(
         self, module_class: str, matched: list[str], applied: list[str]
@@ -142,6 +146,8 @@ class FusionReport:
             "for lack of a tensor-parallel plan"
             + (f"; pooler: {self.pooler}" if self.pooler else "")
             + (f"; head: {self.head}" if self.head else "")
+            + (f"; kept with Transformers: {', '.join(self.kept)}" if self.kept else "")
+            + (f"; not built: {', '.join(self.not_built)}" if self.not_built else "")
         )
 
     def to_json(self) -> dict:

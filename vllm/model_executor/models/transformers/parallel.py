@@ -4,6 +4,8 @@
 
 (Tensor parallelism is per linear: the fusers and the model's TP plan decide it.)"""
 
+from collections.abc import Collection
+
 from torch import nn
 from transformers import PreTrainedConfig
 
@@ -13,15 +15,20 @@ from vllm.model_executor.models.utils import PPMissingLayer
 
 
 def decoder_layers(
-    base_model: nn.Module, text_config: PreTrainedConfig
+    base_model: nn.Module,
+    text_config: PreTrainedConfig,
+    outside: Collection[str] = (),
 ) -> tuple[str, nn.ModuleList]:
     """The base model's stack of decoder layers: the `ModuleList` with one entry per
-    hidden layer (`layers`, `decoder.layers`, `h`)."""
+    hidden layer (`layers`, `decoder.layers`, `h`), not under the modules named in
+    `outside` (a vision tower's own stack may have as many layers)."""
     num_layers = text_config.num_hidden_layers
     stacks = [
         (name, module)
         for name, module in base_model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers
+        if isinstance(module, nn.ModuleList)
+        and len(module) == num_layers
+        and not any(name == o or name.startswith(f"{o}.") for o in outside)
     ]
     if len(stacks) != 1:
         found = [name for name, _ in stacks] or "none"

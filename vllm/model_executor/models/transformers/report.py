@@ -99,7 +99,8 @@ def first_line(error: Exception) -> str:
 
 def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
     """Build the backend class vLLM would serve `config` with (a causal LM, an
-    embedding or a classification model) on `meta` and return its report. A model
+    embedding, a classification or a vision-language model) on `meta` and return
+    its report. A model
     folder is read as it is, so its Sentence Transformers pooling config counts."""
     from vllm.config import (
         DeviceConfig,
@@ -109,6 +110,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         set_current_vllm_config,
     )
     from vllm.model_executor.models import transformers as backend
+    from vllm.model_executor.models.transformers.multimodal import MultiModalMixin
     from vllm.model_executor.models.transformers.pooling import PoolingMixin
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -131,7 +133,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         served_class = getattr(backend, model_config._get_transformers_backend_cls())
         built_class = (
             served_class
-            if issubclass(served_class, PoolingMixin)
+            if issubclass(served_class, PoolingMixin | MultiModalMixin)
             else backend.TransformersForCausalLM
         )
         vllm_config = VllmConfig(
@@ -271,6 +273,12 @@ def render(report: FusionReport, style: Style) -> str:
             lines.append(f"  Head: {report.head}")
         attention = "causal" if report.causal else "encoder-only, no KV cache"
         lines.append(f"  Attention: {attention}")
+    if report.kept:
+        lines.append(style.head("\nKept with Transformers (not fused, replicated)"))
+        for module, why in report.kept.items():
+            lines.append(f"  model.{module}: {why}")
+    for module, why in report.not_built.items():
+        lines.append(f"  model.{module}: not built ({why})")
     verdict = style.good("SERVABLE") if report.servable else style.bad("NOT SERVABLE")
     lines.append(style.head("\nVerdict: ") + verdict)
     if report.reason:

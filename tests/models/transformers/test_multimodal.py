@@ -1,0 +1,297 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Vision-language models (`multimodal.py`): greedy tokens and log-probabilities
+equal Transformers' `generate` on prompts with one image, two images and none, on
+the CPU engine and through the OpenAI server (an image as a `data:` URL); the
+vision tower stays Transformers' and is not built for a text-only engine; M-RoPE
+positions equal the HF model's.
+
+One engine start per case, shared by its tests. `E2E_IMPL=stock` runs the engine
+cases on vLLM's stock backend."""
+
+import base64
+import functools
+import io
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+import tiny_multimodal  # noqa: E402
+
+REQUESTS = list(tiny_multimodal.REQUESTS)
+
+
+@functools.cache
+def checkpoint(name: str) -> Path:
+    return tiny_multimodal.build(name)
+
+
+@functools.cache
+def reference(name: str) -> dict[str, tiny_multimodal.Completion]:
+    requests = tiny_multimodal.requests(tiny_multimodal.RECIPES[name])
+    completions = tiny_multimodal.reference(
+        checkpoint(name), name, list(requests.values())
+    )
+    return dict(zip(requests, completions))
+
+
+@functools.cache
+def engine(name: str) -> tiny_multimodal.MultiModalRun:
+    """One engine start per model, on all its requests, shared by the tests."""
+    requests = tiny_multimodal.requests(tiny_multimodal.RECIPES[name])
+    return tiny_multimodal.run_engine(
+        checkpoint(name),
+        name,
+        list(requests.values()),
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+    )
+
+
+def _compare(
+    want: tiny_multimodal.Completion, got: tiny_multimodal.Completion
+) -> float:
+    assert got.prompt_ids == want.prompt_ids, "the image placeholders differ"
+    assert got.token_ids == want.token_ids
+    gap = max(abs(a - b) for a, b in zip(want.logprobs, got.logprobs))
+    assert gap <= tiny.LOGPROB_ATOL, f"logprob gap {gap:.3g}"
+    return gap
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("request_name", REQUESTS)
+@pytest.mark.parametrize("name", ["llava", "emu3"])
+def test_equals_transformers(name, request_name):
+    """LLaVA: CLIP tower and projector (Transformers') and a Llama decoder on vLLM
+    attention. Emu3 (one of the models vLLM 0.32 sends to this backend by default):
+    a VQ-VAE turns the picture into tokens the decoder embeds. Same greedy tokens
+    and log-probabilities as Transformers on one image, two and none."""
+    run = engine(name)
+    got = run.completions[REQUESTS.index(request_name)]
+    gap = _compare(reference(name)[request_name], got)
+    print(f"\n[e2e] {name}, {request_name}: {run.seconds:.1f} s, gap {gap:.2e}")
+
+
+@pytest.fixture(scope="module")
+def llava() -> Path:
+    return checkpoint("llava")
+
+
+@pytest.fixture(scope="module")
+def llava_reference() -> dict[str, tiny_multimodal.Completion]:
+    return reference("llava")
+
+
+@pytest.mark.engine
+def test_llava_keeps_the_tower_with_transformers():
+    if tiny.e2e_impl() != "project":
+        pytest.skip("the fusion report is this backend's")
+    report = engine("llava").report
+    assert "vLLM attention in 4/4 layers" in report
+    assert "kept with Transformers: vision_tower, multi_modal_projector" in report
+
+
+@pytest.mark.engine
+def test_llava_text_only_engine_skips_the_tower(llava, llava_reference):
+    """`limit_mm_per_prompt={"image": 0}`: the tower is dropped on `meta`, its
+    checkpoint tensors are skipped, and a text prompt is served as Transformers
+    does."""
+    if tiny.e2e_impl() != "project":
+        pytest.skip("the fusion report is this backend's")
+    run = tiny_multimodal.run_engine(
+        llava,
+        "llava",
+        [tiny_multimodal.REQUESTS["text only"]],
+        llm_kwargs=dict(limit_mm_per_prompt={"image": 0}),
+    )
+    _compare(llava_reference["text only"], run.completions[0])
+    assert "not built: vision_tower, multi_modal_projector" in run.report
+
+
+def _data_url(image: tiny_multimodal.Image) -> str:
+    buffer = io.BytesIO()
+    image.pil().save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.engine
+def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
+    """The OpenAI server answers a chat request with an image (a `data:` URL) through
+    the official client, with Transformers' tokens: the chat template writes the
+    placeholder, the server's processor expands it."""
+    openai = pytest.importorskip("openai")
+    request = tiny_multimodal.REQUESTS["one image"]
+    before, after = request.text.split("{image}")
+    want = llava_reference["one image"]
+    with tiny.serve(
+        llava,
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        log_dir=tmp_path_factory.mktemp("server"),
+        extra_args=("--max-model-len", str(tiny_multimodal.MAX_MODEL_LEN)),
+    ) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        reply = client.chat.completions.create(
+            model=server.model,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": before.strip()},
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": _data_url(request.images[0])},
+                        },
+                        {"type": "text", "text": after.strip()},
+                    ],
+                }
+            ],
+            max_tokens=tiny_multimodal.MAX_TOKENS,
+            temperature=0.0,
+            logprobs=True,
+            extra_body={"ignore_eos": True},
+        )
+    tokens = [step.logprob for step in reply.choices[0].logprobs.content]
+    assert reply.choices[0].message.content.strip() == want.text.strip()
+    assert reply.usage.prompt_tokens == len(want.prompt_ids)
+    gap = max(abs(a - b) for a, b in zip(want.logprobs, tokens))
+    assert gap <= tiny.LOGPROB_ATOL
+
+
+# --- Gemma 3 ---------------------------------------------------------------------
+
+
+@pytest.mark.engine
+def test_gemma3_equals_transformers_but_for_bidirectional_image_attention():
+    """SigLIP tower, pooled to 4 soft tokens between `<start_of_image>` and
+    `<end_of_image>`, and the Gemma 3 decoder (sliding layers, scaled embeddings):
+    Transformers' greedy tokens on every request and its log-probabilities on text.
+    With images, Transformers lets an image's tokens attend to each other both
+    ways; vLLM's CPU attention is causal (vLLM runs Gemma 3 as a prefix-LM only
+    on GPU backends), so the log-probabilities there equal Transformers' with that
+    attention causal instead (its token types dropped), and differ from its own by
+    the measured gap (README)."""
+    requests = [tiny_multimodal.REQUESTS[k] for k in REQUESTS]
+    want = reference("gemma3")
+    causal = tiny_multimodal.reference(
+        checkpoint("gemma3"), "gemma3", requests, causal_images=True
+    )
+    for name, request, causal_one, got in zip(
+        REQUESTS, requests, causal, engine("gemma3").completions
+    ):
+        exact = want[name]
+        assert got.token_ids == exact.token_ids, name
+        gap = _compare(causal_one if request.images else exact, got)
+        own = max(abs(a - b) for a, b in zip(exact.logprobs, got.logprobs))
+        print(f"\n[e2e] gemma3, {name}: gap {gap:.2e} (to Transformers': {own:.2e})")
+
+
+# --- Qwen2-VL: the decoder with M-RoPE -----------------------------------------------
+
+
+@pytest.mark.engine
+def test_qwen2_vl_text_equals_transformers():
+    """Qwen2-VL's decoder with multimodal rotary positions (three position rows,
+    from `get_mrope_input_positions`) on a text-only engine (the processor needs
+    torchvision, so no images here): Transformers' tokens and log-probabilities."""
+    run = tiny_multimodal.run_engine(
+        checkpoint("qwen2_vl"),
+        "qwen2_vl",
+        [tiny_multimodal.REQUESTS["text only"]],
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(limit_mm_per_prompt={"image": 0}),
+    )
+    gap = _compare(reference("qwen2_vl")["text only"], run.completions[0])
+    print(f"\n[e2e] qwen2_vl, text only: {run.seconds:.1f} s, gap {gap:.2e}")
+
+
+# --- M-RoPE, no engine -------------------------------------------------------------
+
+
+def test_mrope_positions_equal_the_hf_model(build_backend):
+    """Qwen2-VL: the positions vLLM gets for a prompt with two images of different
+    sizes (from the placeholders it found) equal those the HF model computes, and
+    are not 1-D ones (text after an image moves on by the image's side, not its
+    token count). No engine: Qwen2-VL's processor needs torchvision (its video
+    processor), which does not match the engine's torch."""
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    recipe = tiny_multimodal.RECIPES["qwen2_vl"]
+    config = tiny_multimodal.config(recipe)
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    image = config.image_token_id
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    grids = torch.tensor([[1, 4, 6], [1, 6, 4]])  # 32x48 and 48x32 px, 8 px patches
+    counts = [int(g.prod()) // 4 for g in grids]  # merged 2x2
+    ids = [tiny.BOS_ID, 7, start, *[image] * counts[0], end, 8, 9, start]
+    ids += [*[image] * counts[1], end, 10]
+    offsets = [3, 3 + counts[0] + 4]
+    features = [
+        SimpleNamespace(
+            modality="image",
+            mm_position=PlaceholderRange(offset=o, length=n),
+            data={"image_grid_thw": SimpleNamespace(data=g)},
+        )
+        for o, n, g in zip(offsets, counts, grids)
+    ]
+    positions, delta = model.get_mrope_input_positions(ids, features)
+
+    input_ids = torch.tensor([ids])
+    want, want_delta = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == image).int(), image_grid_thw=grids
+    )
+    assert torch.equal(positions, want[:, 0])
+    assert delta == int(want_delta) < 0
+    # After the first image (4 x 6 patches, merged to 2 x 3): text moves on by 3.
+    first_after = offsets[0] + counts[0]
+    assert positions[0, first_after].item() == positions[0, offsets[0]].item() + 3
+
+
+# --- construction, no engine -------------------------------------------------------
+
+
+def test_moe_decoder_behind_a_vision_tower(build_backend):
+    """`TransformersMultiModalMoEForCausalLM`: a LLaVA whose decoder is a Mixtral
+    gets its experts on vLLM's fused MoE and its attention on vLLM, while the CLIP
+    tower and projector stay plain Transformers modules (no vLLM layer inside)."""
+    from transformers import AutoConfig
+
+    from vllm.model_executor.layers.linear import LinearBase
+
+    config = AutoConfig.for_model(
+        "llava",
+        architectures=["LlavaForConditionalGeneration"],
+        text_config=dict(
+            tiny_multimodal.TEXT,
+            model_type="mixtral",
+            vocab_size=tiny.VOCAB_SIZE + 1,
+            num_hidden_layers=2,
+            num_local_experts=4,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,  # as many as the decoder: not taken for its stack
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        image_token_id=tiny.VOCAB_SIZE,
+    )
+    model = build_backend(config, backend_class="TransformersMultiModalMoEForCausalLM")
+    report = model.report
+    assert report.servable and len(report.attention) == 2
+    assert [d.split(":")[0] for d in report.details["moe"]] == [
+        f"model.language_model.layers.{i}.mlp.experts (MixtralExperts)"
+        for i in range(2)
+    ]
+    assert all("vLLM fused MoE" in d for d in report.details["moe"])
+    assert set(report.kept) == {"vision_tower", "multi_modal_projector"}
+    for name in report.kept:
+        tower = model.model.get_submodule(name)
+        assert not any(isinstance(m, LinearBase) for m in tower.modules()), name

@@ -1,0 +1,617 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tiny local vision-language checkpoints, Transformers' greedy reference on images,
+and a vLLM engine runner for prompts with images. Built on `tiny.py`'s vocabulary,
+cache and process handling.
+
+Each checkpoint is a Transformers `...ForConditionalGeneration` with seeded random
+weights (every 1-D parameter perturbed, the vision tower's too) and the model's real
+processor: its Transformers processor class, around the PIL image processor of the
+family (`...ImageProcessorPil`: the default "fast" ones need torchvision, which does
+not match the engine's torch), `tiny`'s word-level tokenizer with the model's image
+tokens added, and a chat template that writes each image as the model's placeholder.
+Images are small generated RGB pictures (seeded noise over a gradient).
+
+Command line (the engine runner uses it):
+    python tiny_multimodal.py engine SPEC.json OUT.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
+
+RECIPE_VERSION = 1
+
+TEXT: dict[str, Any] = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,  # head_dim 32: the CPU attention's smallest
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    pad_token_id=tiny.PAD_ID,
+    bos_token_id=tiny.BOS_ID,
+    eos_token_id=tiny.EOS_ID,
+    initializer_range=0.1,
+)
+"""The text decoder of every recipe (its vocabulary: `tiny`'s plus the image tokens)."""
+
+MAX_MODEL_LEN = 256
+MAX_TOKENS = 8
+MIN_MARGIN = 0.02
+MIN_DISTINCT = 3
+"""Distinct tokens each greedy continuation must have: a model that repeats one
+token (its `<s>`) would hide a wrong image or position behind the same output."""
+MAX_SEED_TRIES = 32
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model_type: str
+    image_tokens: tuple[str, ...]
+    """Tokens the processor and config name, appended to `tiny.VOCAB` in this order."""
+    placeholder: str
+    """What the chat template writes for an image (the processor expands it)."""
+    has_processor: bool = True
+    """Whether its processor can be built here (Qwen2-VL's needs torchvision for its
+    video processor): without one, only text requests are checked."""
+    engine_prefix: str = ""
+    """What the processor writes before any text (Emu3's processor its `<s>`), which
+    a prompt given to vLLM (tokenized, not processed) spells itself."""
+
+
+RECIPES: dict[str, Recipe] = {
+    # LLaVA: CLIP tower (class token dropped, `vision_feature_layer=-2`), a GELU
+    # projector, a Llama decoder; 16 image tokens for a 32x32 picture.
+    "llava": Recipe("llava", ("<image>",), "<image>"),
+    # Qwen2-VL: its own vision transformer at the image's own resolution (patches of
+    # 8 px merged 2x2), M-RoPE over (time, height, width) in the decoder. Its
+    # processor needs torchvision: text requests only.
+    "qwen2_vl": Recipe(
+        "qwen2_vl",
+        ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+        "<|vision_start|> <|image_pad|> <|vision_end|>",
+        has_processor=False,
+    ),
+    # Gemma 3: SigLIP tower, average-pooled to 4 soft tokens, a Gemma 3 decoder
+    # whose image tokens attend to each other both ways in Transformers.
+    "gemma3": Recipe(
+        "gemma3",
+        ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+        "<start_of_image>",
+    ),
+    # Emu3: no vision encoder but a VQ-VAE (`vqmodel`) that turns a picture into
+    # discrete tokens, embedded with the text embeddings; each image is written as
+    # its size and rows of image tokens, one more per row for the row ends.
+    "emu3": Recipe(
+        "emu3",
+        (
+            "<image>",
+            "<|image start|>",
+            "<|image end|>",
+            "<|image token|>",
+            "<|extra_201|>",
+            "<|extra_200|>",
+            *(f"<|visual token {i:06d}|>" for i in range(32)),
+        ),
+        "<image>",
+        engine_prefix=f"{tiny.BOS} ",
+    ),
+}
+
+
+def token_id(recipe: Recipe, token: str) -> int:
+    return tiny.VOCAB_SIZE + recipe.image_tokens.index(token)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }} "
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }} "
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{ placeholder }} {% else %}{{ part['text'] }} {% endif -%}"
+    "{%- endfor -%}{%- endif -%}{%- endfor -%}"
+)
+"""`<s>`, then each message's parts in order, an image as the recipe's placeholder,
+words apart (vLLM tokenizes a rendered chat without adding `<s>` itself)."""
+
+
+@dataclass(frozen=True)
+class Image:
+    """A generated picture: `width` x `height` RGB, from `seed`."""
+
+    width: int
+    height: int
+    seed: int
+
+    def pil(self):
+        import numpy as np
+        from PIL import Image as PILImage
+
+        rng = np.random.default_rng(self.seed)
+        gradient = np.linspace(0, 255, self.width)[None, :, None]
+        noise = rng.integers(0, 256, (self.height, self.width, 3))
+        pixels = 0.5 * gradient + 0.5 * noise
+        return PILImage.fromarray(pixels.astype(np.uint8), "RGB")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt in the tiny vocabulary, with the recipe's placeholder written `{image}`
+    once per image, and its images."""
+
+    text: str
+    images: tuple[Image, ...] = ()
+
+    def prompt(self, recipe: Recipe) -> str:
+        return self.text.replace("{image}", recipe.placeholder)
+
+
+RED, WIDE, TALL = Image(32, 32, 1), Image(48, 32, 2), Image(32, 48, 3)
+REQUESTS: dict[str, Request] = {
+    "one image": Request("the small cat sees {image} near the river", (RED,)),
+    "two images": Request(
+        "{image} one two three {image} the dog", (WIDE, TALL)
+    ),
+    "text only": Request("today the king and the queen walks near the old city"),
+}
+"""Requests every family is checked on (Qwen2-VL sees the wide and tall pictures at
+their own resolution; the fixed-size towers see them resized)."""
+
+
+def config(recipe: Recipe):
+    """The Transformers config of `recipe`'s tiny model: its vocabulary is `tiny`'s
+    words and the recipe's image tokens."""
+    from transformers import AutoConfig
+
+    tid = lambda token: token_id(recipe, token)  # noqa: E731
+    text = dict(TEXT, vocab_size=tiny.VOCAB_SIZE + len(recipe.image_tokens))
+    if recipe.model_type == "llava":
+        return AutoConfig.for_model(
+            "llava",
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(
+                model_type="clip_vision_model",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=3,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                initializer_range=0.1,
+            ),
+            image_token_id=tid("<image>"),
+            projector_hidden_act="gelu",
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+        )
+    if recipe.model_type == "qwen2_vl":
+        return AutoConfig.for_model(
+            "qwen2_vl",
+            text_config=dict(
+                text,
+                model_type="qwen2_vl_text",
+                rope_parameters=dict(
+                    rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]
+                ),
+            ),
+            vision_config=dict(
+                depth=2,
+                embed_dim=64,
+                hidden_size=TEXT["hidden_size"],
+                num_heads=2,
+                mlp_ratio=2,
+                patch_size=8,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                initializer_range=0.1,
+            ),
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
+        )
+    if recipe.model_type == "gemma3":
+        return AutoConfig.for_model(
+            "gemma3",
+            text_config=dict(
+                text,
+                model_type="gemma3_text",
+                head_dim=32,
+                query_pre_attn_scalar=32,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+            vision_config=dict(
+                model_type="siglip_vision_model",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+            ),
+            mm_tokens_per_image=4,
+            # Gemma 3 ties its LM head to the embeddings by default: with random
+            # weights the model then only repeats its input.
+            tie_word_embeddings=False,
+            image_token_index=tid("<image_soft_token>"),
+            boi_token_index=tid("<start_of_image>"),
+            eoi_token_index=tid("<end_of_image>"),
+            initializer_range=0.1,
+        )
+    if recipe.model_type == "emu3":
+        return AutoConfig.for_model(
+            "emu3",
+            text_config=text,
+            vocabulary_map={token: tid(token) for token in recipe.image_tokens},
+            vq_config=dict(
+                codebook_size=32,
+                embed_dim=4,
+                latent_channels=4,
+                base_channels=32,  # GroupNorm's 32 groups
+                channel_multiplier=[1, 1, 1, 1],  # 8 px per image token
+                num_res_blocks=1,
+                attn_resolutions=[],
+                hidden_size=32,
+                num_attention_heads=1,
+            ),
+        )
+    raise KeyError(recipe.model_type)
+
+
+TOKENIZER_NAMES: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    },
+    "emu3": {
+        "image_token": "<image>",
+        "boi_token": "<|image start|>",
+        "eoi_token": "<|image end|>",
+        "image_wrapper_token": "<|image token|>",
+        "eof_token": "<|extra_201|>",
+    },
+}
+
+
+def make_tokenizer(recipe: Recipe):
+    """`tiny`'s word-level tokenizer with the recipe's image tokens as special tokens
+    (ids in `token_id` order), named as the model's processor looks them up."""
+    tokenizer = tiny.make_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": list(recipe.image_tokens)}
+    )
+    for token in recipe.image_tokens:
+        assert tokenizer.convert_tokens_to_ids(token) == token_id(recipe, token)
+    # Gemma 3's and Emu3's processors read these names off their tokenizer.
+    names = TOKENIZER_NAMES.get(recipe.model_type)
+    if names is not None:
+        tokenizer._set_model_specific_special_tokens(names)
+    template = CHAT_TEMPLATE.replace("{{ placeholder }}", recipe.placeholder)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def make_processor(recipe: Recipe, tokenizer):
+    """The family's Transformers processor around its PIL image processor."""
+    import transformers as t
+
+    template = tokenizer.chat_template
+    if recipe.model_type == "llava":
+        images = t.CLIPImageProcessorPil(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
+        return t.LlavaProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=template,
+        )
+    if recipe.model_type == "gemma3":
+        images = t.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+        return t.Gemma3Processor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            image_seq_length=4,
+            chat_template=template,
+        )
+    if recipe.model_type == "emu3":
+        # Emu3's image processor is numpy/PIL-based already (no torchvision).
+        images = t.Emu3ImageProcessor(
+            min_pixels=32 * 32, max_pixels=32 * 32, spatial_factor=8
+        )
+        return t.Emu3Processor(
+            image_processor=images, tokenizer=tokenizer, chat_template=template
+        )
+    raise KeyError(recipe.model_type)
+
+
+def requests(recipe: Recipe) -> dict[str, Request]:
+    """The `REQUESTS` the recipe is checked on."""
+    return {k: r for k, r in REQUESTS.items() if recipe.has_processor or not r.images}
+
+
+def fingerprint(name: str) -> str:
+    recipe = RECIPES[name]
+    data = dict(
+        version=RECIPE_VERSION,
+        recipe=asdict(recipe),
+        config=config(recipe).to_json_string(use_diff=False),
+        requests={k: asdict(r) for k, r in requests(recipe).items()},
+        vocab=tiny.VOCAB,
+        max_tokens=MAX_TOKENS,
+        min_distinct=MIN_DISTINCT,
+        template=CHAT_TEMPLATE,
+    )
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _random_model(recipe: Recipe, seed: int):
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    model_config = config(recipe)
+    model_config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(
+        model_config, dtype=torch.float32, attn_implementation="eager"
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+        model.get_output_embeddings().weight.mul_(2.0)
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=tiny.BOS_ID,
+        pad_token_id=tiny.PAD_ID,
+        eos_token_id=None,
+        max_new_tokens=MAX_TOKENS,
+    )
+    return model.eval()
+
+
+@dataclass
+class Completion:
+    """Greedy continuation of one request."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    margins: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+def greedy(
+    model,
+    processor,
+    recipe: Recipe,
+    requests: list[Request],
+    causal_images: bool = False,
+) -> list[Completion]:
+    """Transformers' greedy `generate` on each request (its processor's inputs; the
+    tokenizer's for a text request where there is no processor). `causal_images`
+    drops the token types with which Gemma 3 lets an image's tokens attend to each
+    other both ways."""
+    import torch
+
+    completions = []
+    for request in requests:
+        images = {"images": [i.pil() for i in request.images]} if request.images else {}
+        inputs = processor(text=request.prompt(recipe), return_tensors="pt", **images)
+        if causal_images:
+            inputs.pop("token_type_ids", None)
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tiny.PAD_ID,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        prompt_ids = inputs["input_ids"][0].tolist()
+        token_ids = out.sequences[0, len(prompt_ids) :].tolist()
+        logprobs, margins = [], []
+        for token, logits in zip(token_ids, out.logits):
+            logits = logits[0].float()
+            assert int(torch.argmax(logits)) == token
+            logprobs.append(torch.log_softmax(logits, dim=-1)[token].item())
+            top2 = torch.topk(logits, 2).values
+            margins.append((top2[0] - top2[1]).item())
+        completions.append(Completion(prompt_ids, token_ids, logprobs, margins))
+    return completions
+
+
+def build(name: str) -> Path:
+    """Build (or reuse) the tiny checkpoint folder of recipe `name`, with its
+    processor files; seeds are tried until every greedy step of its requests keeps a
+    top-1/top-2 logit gap of `MIN_MARGIN` and every continuation has `MIN_DISTINCT`
+    tokens."""
+    recipe = RECIPES[name]
+    target = tiny.CACHE / f"mm-{name}"
+    stamp = target / "tiny.json"
+    want = fingerprint(name)
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == want:
+        return target
+    tiny._quiet_transformers()
+    processor = make_tokenizer(recipe)
+    if recipe.has_processor:
+        processor = make_processor(recipe, processor)
+    checked = list(requests(recipe).values())
+    best = (float("-inf"), None)
+    for seed in range(tiny.SEED, tiny.SEED + MAX_SEED_TRIES):
+        model = _random_model(recipe, seed)
+        completions = greedy(model, processor, recipe, checked)
+        margin = min(min(c.margins) for c in completions)
+        varied = all(len(set(c.token_ids)) >= MIN_DISTINCT for c in completions)
+        best = max(best, (margin, seed), key=lambda b: b[0])
+        if margin >= MIN_MARGIN and varied:
+            break
+    else:
+        raise RuntimeError(
+            f"{name}: no seed gives a margin of {MIN_MARGIN} and {MIN_DISTINCT} "
+            f"distinct tokens per continuation (best margin {best})"
+        )
+    tiny.CACHE.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".mm-{name}-", dir=tiny.CACHE))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        processor.save_pretrained(staging)
+        (staging / "tiny.json").write_text(
+            json.dumps(dict(fingerprint=want, seed=seed, min_margin=margin), indent=2)
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def reference(
+    path: Path, name: str, requests: list[Request], causal_images: bool = False
+) -> list[Completion]:
+    """Transformers' greedy generation in float32 (eager attention) from the saved
+    checkpoint and processor (`causal_images`: see `greedy`)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    tiny._quiet_transformers()
+    recipe = RECIPES[name]
+    loader = AutoProcessor if recipe.has_processor else AutoTokenizer
+    processor = loader.from_pretrained(str(path))
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    completions = greedy(model, processor, recipe, requests, causal_images)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    for c in completions:
+        c.text = tiny.continuation_text(tokenizer, c.prompt_ids, c.token_ids)
+    return completions
+
+
+# --- vLLM engine, in a fresh interpreter --------------------------------------------
+
+
+@dataclass
+class MultiModalRun:
+    completions: list[Completion]
+    seconds: float
+    log: str
+    report: str | None = None
+    """The fusion report's text, read inside the worker."""
+
+
+def run_engine(
+    path: Path,
+    name: str,
+    requests: list[Request],
+    *,
+    backend: str = "project",
+    llm_kwargs: dict[str, Any] | None = None,
+    timeout: float = 600,
+) -> MultiModalRun:
+    """Start `vllm.LLM` on the checkpoint in a subprocess and generate greedily for
+    each request (its text through the engine's tokenizer, its images as PIL)."""
+    recipe = RECIPES[name]
+    spec = dict(
+        model=str(path),
+        requests=[
+            dict(
+                prompt=recipe.engine_prefix + r.prompt(recipe),
+                images=[asdict(i) for i in r.images],
+            )
+            for r in requests
+        ],
+        llm_kwargs=llm_kwargs or {},
+    )
+    env = dict(os.environ)
+    env["VLLM_TRANSFORMERS_BACKEND"] = backend
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    here = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("PYTEST_CURRENT_TEST", None)
+    out, seconds, log = tiny.run_engine_script(__file__, spec, env, timeout)
+    return MultiModalRun(
+        [Completion(**c) for c in out["completions"]], seconds, log, out["report"]
+    )
+
+
+def _report(model) -> str | None:
+    """The backend's one-line fusion report, inside the worker (none for stock)."""
+    report = getattr(model, "report", None)
+    return report.short() if report is not None else None
+
+
+def _engine_main(spec_file: str, out_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(
+        model=spec["model"],
+        model_impl="transformers",
+        dtype="float32",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True,
+    )
+    kwargs.update(spec["llm_kwargs"])
+    llm = LLM(**kwargs)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1
+    )
+    prompts = []
+    for request in spec["requests"]:
+        prompt: dict[str, Any] = dict(prompt=request["prompt"])
+        if request["images"]:
+            prompt["multi_modal_data"] = {
+                "image": [Image(**i).pil() for i in request["images"]]
+            }
+        prompts.append(prompt)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    completions = []
+    for output in outputs:
+        sample = output.outputs[0]
+        token_ids = list(sample.token_ids)
+        logprobs = [step[t].logprob for t, step in zip(token_ids, sample.logprobs)]
+        completions.append(
+            asdict(
+                Completion(
+                    list(output.prompt_token_ids), token_ids, logprobs, text=sample.text
+                )
+            )
+        )
+    import tiny_multimodal  # importable in every engine process (PYTHONPATH)
+
+    (report,) = llm.apply_model(tiny_multimodal._report)
+    Path(out_file).write_text(json.dumps(dict(completions=completions, report=report)))
+    del llm
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["engine"]:
+        raise SystemExit(__doc__)
+    _engine_main(*sys.argv[2:4])

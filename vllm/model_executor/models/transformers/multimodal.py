@@ -1,0 +1,395 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Vision-language models: the text decoder made vLLM-native as a causal LM's is,
+the vision tower and projector left to Transformers.
+
+Three stages, each on the model's own Transformers code:
+
+1. *Processing* (`MultiModalProcessor`, in vLLM's API server): the model's own
+   Transformers processor turns each image into the tower's inputs (`pixel_values`,
+   `image_grid_thw`...). The prompt keeps the placeholder the processor expands
+   (`processor.image_token`: `<image>`, `<|image_pad|>`, Gemma 3's
+   `<start_of_image>`); vLLM replaces each with what the processor writes for an
+   image of that size, which is asked of the processor itself, once per size. Only
+   the model's image token there receives an embedding (Gemma 3's begin/end tokens
+   stay text).
+2. *Encoding* (`embed_multimodal`): the HF model's own `get_image_features` (tower
+   and projector) on the engine's pixel inputs, one embedding row per image token.
+3. *Decoding*: the image embeddings are scattered over the image tokens' text
+   embeddings and the HF text model runs on vLLM attention with the fusers applied;
+   models with multimodal rotary positions (M-RoPE) get them from the HF model's
+   own `get_rope_index`.
+
+Every child of the HF base model other than its text model (the tower, the
+projector) is kept with Transformers: not fused, attention not dispatched to vLLM
+(its config is not the text config the backend patches), replicated on every rank.
+With `limit_mm_per_prompt={"image": 0}` they are dropped while still on `meta`
+(never allocated, their checkpoint tensors skipped).
+"""
+
+import functools
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from PIL import Image
+from transformers import BatchFeature, PreTrainedModel
+
+from vllm.config.multimodal import MultiModalDummyOptions
+from vllm.logger import init_logger
+from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
+from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.causal import CausalMixin
+from vllm.model_executor.models.transformers.loading import BASE
+from vllm.model_executor.models.utils import (
+    StageMissingLayer,
+    _merge_multimodal_embeddings,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.inputs import MultiModalDataDict
+from vllm.multimodal.inputs import (
+    MultiModalFeatureSpec,
+    MultiModalFieldConfig,
+    MultiModalKwargsItems,
+)
+from vllm.multimodal.parse import ImageProcessorItems, ImageSize, MultiModalDataItems
+from vllm.multimodal.processing import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    PromptReplacement,
+    PromptUpdate,
+    PromptUpdateDetails,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+IMAGE = "image"
+
+PROBE_WORD = "a"
+"""A text the processor is given alone, to see what it adds around any text."""
+
+TEXT_FIELDS = frozenset(
+    {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+)
+"""What a processor returns about the text, which vLLM tokenizes itself."""
+
+
+class MultiModalProcessingInfo(BaseProcessingInfo):
+    """What vLLM asks about the model's inputs, answered by its Transformers
+    processor."""
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        return {IMAGE: None}
+
+    def placeholder(self) -> str:
+        """The token a prompt holds for an image, which the processor expands."""
+        processor = self.get_hf_processor()
+        token = getattr(processor, "image_token", None)
+        if not isinstance(token, str):
+            raise ValueError(
+                f"{type(processor).__name__} names no `image_token`: this backend "
+                "serves image inputs only (not audio or video yet), and cannot tell "
+                "which token of a prompt stands for an image. Set "
+                "VLLM_TRANSFORMERS_BACKEND=stock to serve this model with vLLM's "
+                "stock Transformers backend instead."
+            )
+        return token
+
+    def image_token_id(self) -> int:
+        """The token that receives an image embedding: the model config's, else the
+        processor's (Emu3 keeps it in its vocabulary map). The config's comes first:
+        Gemma 3's processor names its begin-of-image token so."""
+        config = self.get_hf_config()
+        processor = self.get_hf_processor()
+        for owner in (config, processor):
+            token_id = getattr(owner, "image_token_id", None)
+            if isinstance(token_id, int):
+                return token_id
+        raise ValueError(
+            f"Neither {type(config).__name__} nor {type(processor).__name__} has an "
+            "`image_token_id`: the backend cannot tell which tokens receive image "
+            "embeddings."
+        )
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one info per processor
+    def expansion(self, width: int, height: int) -> tuple[int, ...]:
+        """The tokens the processor writes in place of one placeholder for an image
+        of this size (what it would insert into the prompt's text), without what it
+        adds around any text (Emu3's processor writes its `<s>` first)."""
+        processor = self.get_hf_processor()
+        ids = processor(
+            text=self.placeholder(),
+            images=[Image.new("RGB", (width, height))],
+            add_special_tokens=False,
+        )["input_ids"][0]
+        prefix, suffix = self._added_around_text()
+        ids = ids[len(prefix) : len(ids) - len(suffix)]
+        if self.image_token_id() not in ids:
+            raise ValueError(
+                f"{type(processor).__name__} writes no image token "
+                f"({self.image_token_id()}) for an image of {width}x{height}: {ids}"
+            )
+        return tuple(ids)
+
+    def _added_around_text(self) -> tuple[list[int], list[int]]:
+        """What the processor adds before and after a text without images."""
+        processor = self.get_hf_processor()
+        word = self.get_tokenizer().encode(PROBE_WORD, add_special_tokens=False)
+        ids = list(processor(text=PROBE_WORD, add_special_tokens=False)["input_ids"][0])
+        start = next(
+            (i for i in range(len(ids)) if ids[i : i + len(word)] == word), None
+        )
+        if start is None:
+            raise ValueError(
+                f"{type(processor).__name__} does not keep the text it is given "
+                f"({PROBE_WORD!r} became {ids}), so the backend cannot tell what it "
+                "writes for an image."
+            )
+        return ids[:start], ids[start + len(word) :]
+
+    def image_size_with_most_features(self) -> ImageSize:
+        """The largest image the processor keeps as it is: its fixed size (a crop
+        or a resize), or the square filling its pixel budget (dynamic resolution)."""
+        images = self.get_hf_processor().image_processor
+        sizes = [
+            getattr(images, "crop_size", None) or {},
+            getattr(images, "size", None) or {},
+        ]
+        for size in sizes:
+            if "height" in size and "width" in size:
+                return ImageSize(width=size["width"], height=size["height"])
+        for size in sizes:
+            # A pixel budget: Qwen2-VL's (edges in pixels), Emu3's.
+            budget = size.get("max_pixels") or (
+                size.get("longest_edge") if "shortest_edge" in size else None
+            )
+            if budget is not None:
+                side = int(budget**0.5)
+                return ImageSize(width=side, height=side)
+            if "shortest_edge" in size:
+                return ImageSize(
+                    width=size["shortest_edge"], height=size["shortest_edge"]
+                )
+        raise ValueError(
+            f"{type(images).__name__}: no size to profile the vision tower with "
+            f"(size={getattr(images, 'size', None)})."
+        )
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        size = self.image_size_with_most_features()
+        return {IMAGE: len(self.expansion(size.width, size.height))}
+
+
+class MultiModalDummyInputsBuilder(BaseDummyInputsBuilder[MultiModalProcessingInfo]):
+    """Profiling inputs: as many placeholders as images, each image of the size that
+    gives the most image tokens."""
+
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return " ".join([self.info.placeholder()] * mm_counts.get(IMAGE, 0))
+
+    def get_dummy_mm_data(
+        self,
+        seq_len: int,
+        mm_counts: Mapping[str, int],
+        mm_options: MultiModalDummyOptions,
+    ) -> MultiModalDataDict:
+        size = self.info.image_size_with_most_features()
+        return {
+            IMAGE: self._get_dummy_images(
+                width=size.width,
+                height=size.height,
+                num_images=mm_counts.get(IMAGE, 0),
+                overrides=mm_options.get(IMAGE),
+            )
+        }
+
+
+class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
+    """The model's Transformers processor on the images; vLLM's own tokenization of
+    the prompt, whose placeholders become what the processor writes for them."""
+
+    def _get_hf_mm_text(self, mm_counts: Mapping[str, int]) -> str:
+        # Processors count the placeholders of the text against the images.
+        return " ".join([self.info.placeholder()] * mm_counts.get(IMAGE, 0))
+
+    def _get_mm_fields_config(
+        self,
+        hf_inputs: BatchFeature,
+        hf_processor_mm_kwargs: Mapping[str, object],
+    ) -> Mapping[str, MultiModalFieldConfig]:
+        """One entry per image (`pixel_values` [images, ...]), except where the
+        processor returns a grid per image (`image_grid_thw`, dynamic resolution):
+        then a field with one row per patch is split by the patches of each grid."""
+        fields = [k for k in hf_inputs if k not in TEXT_FIELDS]
+        grids = [k for k in fields if k.endswith("_grid_thw")]
+        if not grids:
+            return {k: MultiModalFieldConfig.batched(IMAGE) for k in fields}
+        (grid,) = grids
+        patches = torch.as_tensor(hf_inputs[grid]).prod(-1)
+        total = int(patches.sum())
+        config = {}
+        for key in fields:
+            value = hf_inputs[key]
+            if key != grid and isinstance(value, torch.Tensor) and len(value) == total:
+                config[key] = MultiModalFieldConfig.flat_from_sizes(IMAGE, patches)
+            else:
+                config[key] = MultiModalFieldConfig.batched(IMAGE)
+        return config
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargsItems,
+    ) -> Sequence[PromptUpdate]:
+        images = mm_items.get_items(IMAGE, ImageProcessorItems)
+        placeholder = self.info.placeholder()
+        target = self.info.get_tokenizer().convert_tokens_to_ids(placeholder)
+        image_token_id = self.info.image_token_id()
+
+        def replacement(item: int) -> PromptUpdateDetails:
+            size = images.get_image_size(item)
+            tokens = list(self.info.expansion(size.width, size.height))
+            return PromptUpdateDetails.select_token_id(tokens, image_token_id)
+
+        return [PromptReplacement(IMAGE, [target], replacement)]
+
+
+def _image_features(model: PreTrainedModel, **inputs: Any) -> list[torch.Tensor]:
+    """The HF model's `get_image_features` on processor outputs: one `[tokens,
+    hidden]` tensor per image, in order."""
+    get_image_features = getattr(model, "get_image_features", None)
+    if get_image_features is None:
+        raise ValueError(
+            f"{type(model).__name__} has no `get_image_features`, which the backend "
+            "runs the vision tower (and projector) through."
+        )
+    accepted = inspect.signature(get_image_features).parameters
+    kwargs = {k: v for k, v in inputs.items() if k in accepted and v is not None}
+    output = get_image_features(**kwargs, return_dict=True)
+    features = output.pooler_output
+    return [f.reshape(-1, f.shape[-1]) for f in features]
+
+
+class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
+    """A vision-language model: `embed_multimodal` runs the HF vision tower and
+    projector, `embed_input_ids` scatters their embeddings over the image tokens,
+    the decoder runs as a causal LM's does."""
+
+    def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
+        # The interfaces before it are protocols, whose `__init__` takes nothing.
+        CausalMixin.__init__(self, vllm_config=vllm_config, prefix=prefix)
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        # The model's chat template writes its own placeholder for an image part.
+        return None
+
+    def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
+        language_model = self.model.get_decoder()
+        return {
+            name: (
+                f"{type(child).__name__}: encodes images as Transformers does (its "
+                "config is not the text config, so its attention is not "
+                "dispatched to vLLM); not fused, replicated on every rank"
+            )
+            for name, child in self.model.named_children()
+            if child is not language_model
+            and next(child.parameters(), None) is not None
+        }
+
+    def build(self, vllm_config: "VllmConfig", prefix: str) -> PreTrainedModel:
+        hf_model = super().build(vllm_config, prefix)
+        mm_config = vllm_config.model_config.multimodal_config
+        self.text_only = mm_config is not None and mm_config.get_limit_per_prompt(
+            IMAGE
+        ) == 0
+        for name, why in self.kept.items():
+            logger.info("Kept with Transformers: %s.%s (%s)", BASE, name, why)
+        if self.text_only:
+            # Dropped while still on `meta`: never allocated, and their checkpoint
+            # tensors are skipped at load.
+            for name in self.kept:
+                module = self.model.get_submodule(name)
+                setattr(self.model, name, StageMissingLayer("vision tower", module))
+                self.report.not_built[name] = "text only: limit_mm_per_prompt image 0"
+                logger.info("Not built: %s.%s (text only)", BASE, name)
+        return hf_model
+
+    def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
+        if not any(v is not None for v in kwargs.values()):
+            return []
+        pixel_values = kwargs.get("pixel_values")
+        if isinstance(pixel_values, list):  # images of one size come stacked
+            kwargs["pixel_values"] = torch.stack(pixel_values)
+        with torch.no_grad():
+            return _image_features(self.model, **kwargs)
+
+    def get_language_model(self) -> "MultiModalMixin":
+        # One model: the decoder is not a separate vLLM model here.
+        return self
+
+    def embed_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The text embeddings of `input_ids` (Gemma's scaled ones included)."""
+        return Base.embed_input_ids(self, input_ids)
+
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: list[torch.Tensor] | None = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        embeddings = self._embed_text_input_ids(
+            input_ids, self.embed_text, is_multimodal=is_multimodal
+        )
+        if not multimodal_embeddings:
+            return embeddings
+        return _merge_multimodal_embeddings(
+            embeddings, multimodal_embeddings, is_multimodal
+        )
+
+    def get_mrope_input_positions(
+        self, input_tokens: list[int], mm_features: list[MultiModalFeatureSpec]
+    ) -> tuple[torch.Tensor, int]:
+        """Rotary positions over (time, height, width), from the HF model's own
+        `get_rope_index`: the image tokens (vLLM's placeholders) marked as images."""
+        get_rope_index = getattr(self.model, "get_rope_index", None)
+        if get_rope_index is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has no `get_rope_index`, from which the "
+                "backend takes multimodal rotary (M-RoPE) positions."
+            )
+        input_ids = torch.tensor([input_tokens])
+        token_types = torch.zeros_like(input_ids, dtype=torch.int)
+        grids = []
+        for feature in sorted(mm_features, key=lambda f: f.mm_position.offset):
+            if feature.modality != IMAGE:
+                raise ValueError(f"M-RoPE positions for {feature.modality} items")
+            placeholder = feature.mm_position
+            span = slice(placeholder.offset, placeholder.offset + placeholder.length)
+            is_embed = placeholder.is_embed
+            token_types[0, span] = 1 if is_embed is None else is_embed.int()
+            grids.append(feature.data["image_grid_thw"].data)
+        positions, deltas = get_rope_index(
+            input_ids,
+            mm_token_type_ids=token_types,
+            image_grid_thw=torch.stack(grids) if grids else None,
+        )
+        return positions[:, 0], int(deltas[0, 0])
+
+
+register_processor = MULTIMODAL_REGISTRY.register_processor(
+    MultiModalProcessor,
+    info=MultiModalProcessingInfo,
+    dummy_inputs=MultiModalDummyInputsBuilder,
+)
+"""Decorates a backend class with the processing above (vLLM's registry finds it
+on the class)."""
