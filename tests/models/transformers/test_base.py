@@ -278,3 +278,33 @@ def test_the_compiled_forward_passes_every_argument_through():
         assert model.forward(*args, **kwargs) == Model().forward(*args, **kwargs)
     with pytest.raises(TypeError):
         model.forward(1)  # `c` is required, as in the original
+
+
+def test_the_compiled_forward_passes_arguments_by_keyword_as_hf_expects():
+    """HF's `merge_with_config_defaults` over another decorator reads a default from
+    the config unless the argument came by keyword, then passes it twice if it
+    also came positionally ("got multiple values for argument 'use_cache'")."""
+    import functools
+    from types import SimpleNamespace
+
+    from transformers.utils.generic import merge_with_config_defaults
+
+    from vllm.model_executor.models.transformers.base import compiled_entry
+
+    def original(self, input_ids=None, use_cache=None, **kwargs):
+        return input_ids, use_cache, kwargs
+
+    @functools.wraps(original)
+    def decorated(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    class Model:
+        config = SimpleNamespace(use_cache=True)
+        forward = merge_with_config_defaults(decorated)
+
+    class Compiled(Model):
+        forward = compiled_entry(Model)
+        hf_forward = Model.forward
+
+    assert Compiled().forward(input_ids=1, use_cache=False, x=2) == (1, False, {"x": 2})
+    assert Compiled().forward(input_ids=1) == (1, True, {})

@@ -195,6 +195,12 @@ def compiled_entry(cls: type[nn.Module]) -> Callable:
     signature = inspect.signature(cls.forward)
     parameters = list(signature.parameters.values())[1:]  # after `self`
     kind = inspect.Parameter
+    # Passed on by keyword wherever the signature allows, as the backend calls HF's
+    # forward: HF's decorators read a default from the config when an argument is
+    # in neither place they look, and then pass it twice if it came positionally.
+    positional = {kind.POSITIONAL_ONLY}
+    if any(p.kind is kind.VAR_POSITIONAL for p in parameters):
+        positional.add(kind.POSITIONAL_OR_KEYWORD)
     listed, passed = ["self"], []
     for parameter in parameters:
         name = parameter.name
@@ -210,9 +216,7 @@ def compiled_entry(cls: type[nn.Module]) -> Callable:
             ):
                 listed.append("*")
             listed.append(name)
-            passed.append(
-                name if parameter.kind is not kind.KEYWORD_ONLY else f"{name}={name}"
-            )
+            passed.append(name if parameter.kind in positional else f"{name}={name}")
     qualname = f"{cls.__qualname__}.forward[{source_digest()}]"
     source = (
         f"def forward({', '.join(listed)}):\n"
