@@ -102,6 +102,7 @@ MODELS: dict[str, dict[str, Any]] = {
         layer_types=["sliding_attention", "full_attention"] * 3,
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
+        tie_word_embeddings=True,  # vLLM's native Gemma 2 has no separate head
     ),
     "phi3": MODEL,  # packed qkv_proj and gate_up_proj in the checkpoint
     "qwen3_moe": MOE_MODEL,
@@ -956,7 +957,14 @@ def main(argv: list[str]) -> None:
         for model_type in models:
             for mode in modes:
                 print(f"Throughput: {model_type}, {mode} ...", flush=True)
-                result = measure(args, model_type, mode, log_dir)
+                try:
+                    result = measure(args, model_type, mode, log_dir)
+                except RuntimeError as error:  # an engine that did not start
+                    print(f"  failed: {error}", flush=True)
+                    summary.setdefault("failed", []).append(
+                        dict(model=model_type, mode=mode, error=str(error))
+                    )
+                    continue
                 summary["throughput"].append(result)
                 print(
                     "  this / native (generate, prefill, decode): "
