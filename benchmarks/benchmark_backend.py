@@ -37,6 +37,10 @@ matplotlib, which `scripts/benchmark.sh` installs; the tests do not need it).
     bash scripts/benchmark.sh --skip-throughput        # construction only
     bash scripts/benchmark.sh --dtype float32 --profile   # + ops of one batch each
 
+Runs made part by part (`--out` each) merge into one summary, tables and plot:
+
+    .venv/bin/python benchmarks/benchmark_backend.py merge OUT.json PART.json ...
+
 The script also runs its own pieces in subprocesses (`engine SPEC`, `construct
 VARIANT OUT`); those forms are internal.
 """
@@ -889,11 +893,32 @@ def plot(summary: dict[str, Any], out_file: Path) -> None:
     plt.close(fig)
 
 
+def merge_main(out_file: Path, in_files: list[Path]) -> None:
+    """One summary (tables and plot) from runs made part by part: their throughput
+    results in order, the first construction found, the dates and loads of each."""
+    parts = [json.loads(f.read_text()) for f in in_files]
+    summary = dict(parts[0])
+    summary["throughput"] = [r for part in parts for r in part.get("throughput", [])]
+    summary["construction"] = next(
+        (part["construction"] for part in parts if part.get("construction")), None
+    )
+    summary["parts"] = [
+        dict(date=part["date"], machine=part["machine"], file=str(f))
+        for part, f in zip(parts, in_files)
+    ]
+    out_file.write_text(json.dumps(summary, indent=1))
+    print(markdown(summary))
+    plot(summary, out_file.with_suffix(".png"))
+    print(f"\nPlot: {out_file.with_suffix('.png')}")
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["engine"]:
         return engine_main(argv[1])
     if argv[:1] == ["construct"]:
         return construct_main(argv[1], argv[2])
+    if argv[:1] == ["merge"]:
+        return merge_main(Path(argv[1]), [Path(a) for a in argv[2:]])
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
