@@ -2,37 +2,47 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Benchmark the Transformers modeling backend against vLLM's own implementations.
 
-One run measures, side by side:
+One run measures, side by side, for each random model (`--models`: Llama, Qwen3 with
+q/k norms, Gemma 2 with soft-capping and sliding windows, Phi-3 with packed qkv, and
+a Qwen3-MoE) and each mode (`--modes`: eager, and vLLM's default compilation):
 
-1. **Throughput** (output tokens/s) on the CPU engine of a medium random Llama, served
-   three ways:
+1. **Throughput** on the CPU engine, served three ways:
      - `this`:   this project's backend    (`model_impl="transformers"`)
-     - `native`: vLLM's hand-written Llama (`model_impl="vllm"`)
+     - `native`: vLLM's hand-written model (`model_impl="vllm"`)
      - `stock`:  vLLM's stock backend      (`model_impl="transformers"`,
                  `VLLM_TRANSFORMERS_BACKEND=stock`)
    Each engine runs in its own subprocess. All three start (and warm up) first and
    stay up; then they take turns timing the same fixed batch of prompts (greedy,
-   `ignore_eos=True`, fixed `max_tokens`), round after round with the order rotated,
-   so drift in the machine's load (other people's tests share its cores) hits each
-   alike. An idle engine sleeps, so it does not disturb the one being timed. Medians
-   and the ratios this/native and this/stock (median of the per-round ratios) are
-   printed.
-2. **Fuser detection time** over Llama configs of 2, 8, 32 and 128 layers, built on the
-   `meta` device in one process: the time the registry takes (`Fusers(...)` with every
-   cache cleared first) and the whole meta-device construction of the backend, with
-   their ratio to the 2-layer case. Fusers are found per module class, so the
-   detection time should not grow with depth.
+   `ignore_eos=True`), round after round with the order rotated, so drift in the
+   machine's load (other people's tests share its cores) hits each alike. An idle
+   engine sleeps, so it does not disturb the one being timed. Each turn times the
+   whole generation (`MAX_TOKENS` out) and the prefill alone (one token out):
+   generation tok/s = output tokens / whole; prefill tok/s = prompt tokens / prefill;
+   decode tok/s = the other output tokens / (whole - prefill). Ratios to native are
+   medians of the per-round ratios.
+2. **Engine start**, cold (a fresh compile cache, `VLLM_CACHE_ROOT`) and warm (a
+   second start of the same engine on the cache the first one left), compiled mode.
+3. **Construction** on the `meta` device, per implementation, in one process each:
+   the whole model built for Llama configs of 2, 8, 32 and 128 layers (the best of
+   three builds each); per layer is
+   the slope between 2 and 32 layers. For this backend also the fuser detection time
+   (`Fusers(...)`, every cache cleared first), which should not grow with depth.
 
-It writes a JSON summary to `.cache/benchmarks/latest.json` and prints a markdown
-table for the README.
+It writes a JSON summary to `.cache/benchmarks/latest.json`, prints markdown tables
+for the README and plots the ratios to native (`.cache/benchmarks/latest.png`,
+matplotlib, which `scripts/benchmark.sh` installs; the tests do not need it).
 
-    bash scripts/benchmark.sh                   # the whole thing (under 12 minutes)
-    bash scripts/benchmark.sh --rounds 3        # quicker, noisier
-    bash scripts/benchmark.sh --dtype float32   # or --eager, --skip-detection, ...
-    bash scripts/benchmark.sh --model qwen3_moe --skip-detection   # a random Qwen3-MoE
+    bash scripts/benchmark.sh                          # everything (about an hour)
+    bash scripts/benchmark.sh --models llama --modes eager --rounds 3   # quicker
+    bash scripts/benchmark.sh --skip-throughput        # construction only
+    bash scripts/benchmark.sh --dtype float32 --profile   # + ops of one batch each
 
-The script also runs its own pieces in subprocesses (`engine SPEC`, `detect OUT`);
-those forms are internal.
+Runs made part by part (`--out` each) merge into one summary, tables and plot:
+
+    .venv/bin/python benchmarks/benchmark_backend.py merge OUT.json PART.json ...
+
+The script also runs its own pieces in subprocesses (`engine SPEC`, `construct
+VARIANT OUT`); those forms are internal.
 """
 
 from __future__ import annotations
@@ -82,11 +92,29 @@ MOE_MODEL = dict(
     moe_intermediate_size=512,
     norm_topk_prob=True,
 )
-"""The medium random Qwen3-MoE (`--model qwen3_moe`): the Llama's attention with q/k
-norms, and 16 experts of width 512, four per token, in every layer."""
+"""The medium random Qwen3-MoE: the Llama's attention with q/k norms, and 16 experts
+of width 512, four per token, in every layer."""
 
-MODELS: dict[str, dict[str, Any]] = {"llama": MODEL, "qwen3_moe": MOE_MODEL}
-"""`--model` -> the config of the random model benchmarked."""
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": MODEL,
+    "qwen3": dict(MODEL, head_dim=64),  # q/k norms
+    "gemma2": dict(
+        MODEL,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,  # shorter than prompt + output: the window matters
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,  # vLLM's native Gemma 2 has no separate head
+    ),
+    "phi3": MODEL,  # packed qkv_proj and gate_up_proj in the checkpoint
+    "qwen3_moe": MOE_MODEL,
+}
+"""`--models` -> the config of the random model benchmarked."""
+
+MODES = {"eager": True, "compiled": False}
+"""`--modes` -> `enforce_eager`."""
 
 MODEL_SEED = 0
 DTYPE = "bfloat16"
@@ -99,9 +127,10 @@ PROMPT_LEN = 32
 MAX_TOKENS = 64
 MAX_MODEL_LEN = 256
 BATCHES_PER_ROUND = 2
-"""Timed `generate` calls of the whole batch per engine and round; the best of them is
-the engine's number for that round (other work on the machine only ever slows a call
-down, so the best call is the least disturbed one)."""
+"""Timed `generate` calls of the whole batch (and as many of the prefill alone) per
+engine and round; the best of them is the engine's number for that round (other work
+on the machine only ever slows a call down, so the best call is the least disturbed
+one)."""
 KV_CACHE_BYTES = 256 << 20
 """Three engines stay up at once: each gets a small KV cache (ample for the batch)."""
 
@@ -120,6 +149,8 @@ PRINTED_OPS = 8
 
 DETECT_LAYERS = (2, 8, 32, 128)
 DETECT_REPEATS = 3
+PER_LAYER = (2, 32)
+"""Construction per layer: the slope between these two depths."""
 
 ENGINE_TIMEOUT = 420.0
 
@@ -135,7 +166,7 @@ def checkpoint(dtype: str, model_type: str = "llama") -> Path:
     recipe = json.dumps(
         dict(model=config_kwargs, seed=MODEL_SEED, dtype=dtype), sort_keys=True
     )
-    if model_type != "llama":  # the Llama's stamp predates `--model`
+    if model_type != "llama":  # the Llama's stamp predates the other models
         recipe += model_type
     stamp = hashlib.sha256(recipe.encode()).hexdigest()[:12]
     target = CACHE / "models" / f"{model_type}-medium-{dtype}-{stamp}"
@@ -213,10 +244,11 @@ def profile_stop(model) -> list[tuple[str, float, int]]:
 def engine_main(spec_file: str) -> None:
     """One engine: start, warm up, connect back, then time batches on request.
 
-    The orchestrator sends `("run", n)` (time `n` batches), `("probe",)`, `("profile",)`
-    (one batch under the torch profiler: the ops the worker spent its time in) or
-    `("quit",)`. An idle engine sleeps (vLLM's workers stop spinning after a second
-    without work), so the engines not being timed do not disturb the one that is."""
+    The orchestrator sends `("run", n)` (time `n` whole batches and `n` prefills),
+    `("probe",)`, `("profile",)` (one batch under the torch profiler: the ops the
+    worker spent its time in) or `("quit",)`. An idle engine sleeps (vLLM's workers
+    stop spinning after a second without work), so the engines not being timed do
+    not disturb the one that is."""
     from multiprocessing.connection import Client
 
     spec = json.loads(Path(spec_file).read_text())
@@ -235,13 +267,22 @@ def engine_main(spec_file: str) -> None:
         enforce_eager=spec["enforce_eager"],
     )
     start_s = time.perf_counter() - started
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=spec["max_tokens"],
-        ignore_eos=True,
-        detokenize=False,
-    )
+
+    def sampling(max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        )
+
+    params, prefill = sampling(spec["max_tokens"]), sampling(1)
     batch = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+
+    def timed(sampling_params: SamplingParams) -> dict[str, float]:
+        load = os.getloadavg()[0]
+        started = time.perf_counter()
+        outputs = llm.generate(batch, sampling_params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return dict(seconds=seconds, tokens=tokens, load=load)
 
     started = time.perf_counter()
     llm.generate(batch, params, use_tqdm=False)
@@ -252,22 +293,9 @@ def engine_main(spec_file: str) -> None:
     while True:
         command = connection.recv()
         if command[0] == "run":
-            runs = []
-            for _ in range(command[1]):
-                load = os.getloadavg()[0]
-                started = time.perf_counter()
-                outputs = llm.generate(batch, params, use_tqdm=False)
-                seconds = time.perf_counter() - started
-                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                runs.append(
-                    dict(
-                        seconds=seconds,
-                        tokens=tokens,
-                        tok_s=tokens / seconds,
-                        load=load,
-                    )
-                )
-            connection.send(runs)
+            runs = [timed(params) for _ in range(command[1])]
+            prefills = [timed(prefill) for _ in range(command[1])]
+            connection.send(dict(runs=runs, prefills=prefills))
         elif command[0] == "probe":
             # `benchmark_backend` (not `__main__`) is importable in the worker
             # (PYTHONPATH).
@@ -294,7 +322,12 @@ class Engine:
     """A running engine subprocess for one variant, and the line to talk to it."""
 
     def __init__(
-        self, variant: str, spec: dict[str, Any], log_file: Path, folder: Path
+        self,
+        variant: str,
+        spec: dict[str, Any],
+        log_file: Path,
+        folder: Path,
+        cache_root: Path,
     ):
         import secrets
         from multiprocessing.connection import Listener
@@ -316,6 +349,7 @@ class Engine:
         )
         env = dict(os.environ)
         env["VLLM_TRANSFORMERS_BACKEND"] = VARIANTS[variant]["backend"]
+        env["VLLM_CACHE_ROOT"] = str(cache_root)  # its own compile cache
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships `probe`
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["PYTHONPATH"] = os.pathsep.join(
@@ -395,113 +429,153 @@ class Engine:
         self.listener.close()
 
 
-def throughput(
-    args: argparse.Namespace, log_dir: Path, deadline: float
+def _best(runs: list[dict[str, Any]]) -> float:
+    return min(r["seconds"] for r in runs)
+
+
+def round_numbers(answer: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
+    """One engine's turn in a round: the best whole batch and the best prefill."""
+    whole, prefill = _best(answer["runs"]), _best(answer["prefills"])
+    tokens = answer["runs"][0]["tokens"]
+    return dict(
+        generate_tok_s=tokens / whole,
+        prefill_tok_s=prompt_tokens / prefill,
+        # The first output token comes with the prefill.
+        decode_tok_s=(tokens - BATCH) / max(whole - prefill, 1e-9),
+        load=statistics.mean(r["load"] for r in answer["runs"]),
+        **answer,
+    )
+
+
+METRICS = ("generate_tok_s", "prefill_tok_s", "decode_tok_s")
+
+
+def measure(
+    args: argparse.Namespace,
+    model_type: str,
+    mode: str,
+    log_dir: Path,
 ) -> dict[str, Any]:
-    """Start the three engines one after another (each warms up), then time batches on
-    them in rounds, the order rotated each round, until `args.rounds` rounds are done or
-    another would end after `deadline` (a `time.monotonic()` value)."""
-    model = checkpoint(args.dtype, args.model)
+    """Start the three engines one after another on fresh compile caches (each warms
+    up), then time batches on them in rounds, the order rotated each round, until
+    `args.rounds` rounds are done or another would end more than `args.budget`
+    seconds after the first began. Compiled, each engine then starts once more on
+    the cache its first start left (warm)."""
+    model = checkpoint(args.dtype, model_type)
     spec = dict(
         model=str(model),
         dtype=args.dtype,
         prompts=prompts(MODEL["vocab_size"]),
         max_tokens=MAX_TOKENS,
-        enforce_eager=args.eager,
+        enforce_eager=MODES[mode],
     )
+    prompt_tokens = BATCH * PROMPT_LEN
     names = list(VARIANTS)
     engines: dict[str, Engine] = {}
     starts: dict[str, dict[str, Any]] = {}
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    profiles: dict[str, dict[str, Any]] = {}
     note = None
+    tag = f"{model_type}-{mode}"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        caches = {n: Path(tmp) / f"cache-{n}" for n in names}
+
+        def start(name: str, which: str) -> dict[str, Any]:
+            engines[name] = Engine(
+                name,
+                spec,
+                log_dir / f"engine-{tag}-{name}-{which}.log",
+                Path(tmp),
+                caches[name],
+            )
+            ready = engines[name].wait_ready()
+            print(
+                f"  {name:>6}: {which} start {ready['wall_s']:.0f} s "
+                f"(in the engine {ready['start_s']:.0f} s; load "
+                f"{os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
+            return ready
+
         try:
             for name in names:
-                engines[name] = Engine(
-                    name, spec, log_dir / f"engine-{name}.log", Path(tmp)
-                )
-                starts[name] = engines[name].wait_ready()
+                starts[name] = dict(cold=start(name, "cold"))
                 starts[name]["probe"] = engines[name].ask("probe")
-                print(
-                    f"  {name:>6}: started in {starts[name]['wall_s']:.0f} s "
-                    f"({starts[name]['probe']['model_class']})",
-                    flush=True,
-                )
+            deadline = time.monotonic() + args.budget
             round_seconds: list[float] = []
             for index in range(args.rounds):
                 if round_seconds and time.monotonic() + max(round_seconds) > deadline:
-                    note = (
-                        f"stopped after {index} of {args.rounds} rounds: time budget "
-                        f"({args.budget:.0f} s)"
-                    )
+                    note = f"stopped after {index} of {args.rounds} rounds: time budget"
                     print(f"  {note}", flush=True)
                     break
                 round_started = time.monotonic()
                 shift = index % len(names)
                 for name in names[shift:] + names[:shift]:
-                    runs = engines[name].ask("run", BATCHES_PER_ROUND)
+                    answer = engines[name].ask("run", BATCHES_PER_ROUND)
                     rounds[name].append(
-                        dict(
-                            round=index, tok_s=max(r["tok_s"] for r in runs), runs=runs
-                        )
+                        dict(round=index, **round_numbers(answer, prompt_tokens))
                     )
                 round_seconds.append(time.monotonic() - round_started)
                 print(
                     f"  round {index + 1:>2}/{args.rounds}: "
-                    + ", ".join(f"{n} {rounds[n][-1]['tok_s']:6.0f}" for n in names)
+                    + ", ".join(
+                        f"{n} {rounds[n][-1]['generate_tok_s']:5.0f} "
+                        f"(prefill {rounds[n][-1]['prefill_tok_s']:5.0f}, decode "
+                        f"{rounds[n][-1]['decode_tok_s']:4.0f})"
+                        for n in names
+                    )
                     + f" tok/s (load avg {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
-            # Where the time goes, per op: batches under the profiler, taking turns like
-            # the rounds; the fastest of each engine's is the least disturbed.
-            profiled: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-            for index in range(PROFILED_BATCHES):
-                shift = index % len(names)
-                for name in names[shift:] + names[:shift]:
-                    profiled[name].append(engines[name].ask("profile"))
-            profiles = {n: min(profiled[n], key=lambda p: p["seconds"]) for n in names}
+            if args.profile:
+                # Where the time goes, per op, taking turns like the rounds; the
+                # fastest of each engine's is the least disturbed.
+                profiled: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+                for index in range(PROFILED_BATCHES):
+                    shift = index % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        profiled[name].append(engines[name].ask("profile"))
+                profiles = {
+                    n: min(profiled[n], key=lambda p: p["seconds"]) for n in names
+                }
+            for engine in engines.values():
+                engine.stop()
+            if not MODES[mode]:
+                for name in names:
+                    starts[name]["warm"] = start(name, "warm")
+                    engines[name].stop()
         finally:
             for engine in engines.values():
                 engine.stop()
+    if profiles:
         print_profiles(profiles)
 
-    medians = {n: statistics.median(r["tok_s"] for r in rounds[n]) for n in names}
-
-    def paired(a: str, b: str) -> list[float]:
-        return [x["tok_s"] / y["tok_s"] for x, y in zip(rounds[a], rounds[b])]
+    def paired(metric: str, other: str) -> list[float]:
+        return [
+            x[metric] / y[metric] for x, y in zip(rounds["this"], rounds[other])
+        ]
 
     return dict(
         model=dict(
-            MODELS[args.model],
-            model_type=args.model,
+            MODELS[model_type],
+            model_type=model_type,
             dtype=args.dtype,
             path=os.path.relpath(model, REPO),
         ),
-        batch=BATCH,
-        prompt_len=PROMPT_LEN,
-        max_tokens=MAX_TOKENS,
-        batches_per_round=BATCHES_PER_ROUND,
-        metric=(
-            "output tokens/s; per engine and round, the best of its timed batches; "
-            "medians over rounds"
-        ),
+        mode=mode,
         rounds=len(rounds["this"]),
         note=note,
-        enforce_eager=args.eager,
         starts=starts,
-        per_round={n: rounds[n] for n in names},
-        median_tok_s=medians,
+        per_round=rounds,
+        median={
+            n: {m: statistics.median(r[m] for r in rounds[n]) for m in METRICS}
+            for n in names
+        },
+        # this / other, the median over rounds of each round's ratio
         ratio={
-            "this/native": medians["this"] / medians["native"],
-            "this/stock": medians["this"] / medians["stock"],
-        },
-        paired_ratios={
-            "this/native": paired("this", "native"),
-            "this/stock": paired("this", "stock"),
-        },
-        median_paired_ratio={
-            "this/native": statistics.median(paired("this", "native")),
-            "this/stock": statistics.median(paired("this", "stock")),
+            other: {m: statistics.median(paired(m, other)) for m in METRICS}
+            for other in names
+            if other != "this"
         },
         profiles=profiles,
     )
@@ -548,7 +622,7 @@ def _clear_caches() -> None:
                 value.cache_clear()
 
 
-def _vllm_config(layers: int, folder: str):
+def _vllm_config(layers: int, folder: str, model_impl: str = "transformers"):
     from transformers import LlamaConfig
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
 
@@ -557,7 +631,7 @@ def _vllm_config(layers: int, folder: str):
     )
     config.save_pretrained(folder)
     model_config = ModelConfig(
-        model=folder, model_impl="transformers", skip_tokenizer_init=True, dtype=DTYPE
+        model=folder, model_impl=model_impl, skip_tokenizer_init=True, dtype=DTYPE
     )
     return VllmConfig(
         model_config=model_config,
@@ -566,200 +640,316 @@ def _vllm_config(layers: int, folder: str):
     )
 
 
-def detect_once(layers: int) -> dict[str, Any]:
-    """Time the registry alone, then the whole backend construction, on `meta`."""
+def construct_once(variant: str, layers: int) -> dict[str, Any]:
+    """Time the construction of `variant`'s Llama of `layers` layers on `meta` (for
+    this backend with every per-class cache cleared first, so its class analysis is
+    in it, and the registry alone as well)."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm.model_executor.models import transformers as backend
-    from vllm.model_executor.models.transformers import fusion_report
-    from vllm.model_executor.models.transformers.base import build_hf_model
-    from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
-
     result: dict[str, Any] = dict(layers=layers)
     with tempfile.TemporaryDirectory() as folder:
-        # The registry alone, over the real HF model the backend builds.
-        vllm_config = _vllm_config(layers, folder)
+        vllm_config = _vllm_config(
+            layers, folder, VARIANTS[variant]["model_impl"]
+        )
+        if variant == "native":
+            from vllm.model_executor.models.llama import LlamaForCausalLM as model_class
+        else:
+            from vllm.model_executor.models.transformers import (
+                TransformersForCausalLM as model_class,
+            )
         with (
             set_current_vllm_config(vllm_config),
             set_default_torch_dtype(vllm_config.model_config.dtype),
             torch.device("meta"),
         ):
-            hf_model = build_hf_model(vllm_config)
-            _clear_caches()
+            if variant == "this":
+                result.update(_detect(vllm_config))
+                _clear_caches()
             started = time.perf_counter()
-            fusers = Fusers(hf_model.base_model, vllm_config)
-            result["detect_s"] = time.perf_counter() - started
-            result["modules_with_fusers"] = len(fusers)
-            # Distinct (class, children) keys the registry analysed: constant in depth.
-            result["keys_analysed"] = len(get_fusers.cache)
-        del hf_model, fusers
-
-        # The whole construction (HF build on meta, fusers, vLLM layers, attention).
-        vllm_config = _vllm_config(layers, folder)
-        with (
-            fusion_report.collect(f"llama-{layers}") as report,
-            set_current_vllm_config(vllm_config),
-            set_default_torch_dtype(vllm_config.model_config.dtype),
-            torch.device("meta"),
-        ):
-            _clear_caches()
-            started = time.perf_counter()
-            backend.TransformersForCausalLM(vllm_config=vllm_config)
+            model_class(vllm_config=vllm_config)
             result["construct_s"] = time.perf_counter() - started
-        result["applied"] = {
-            f"{cls}.{fuser}": count
-            for cls, cls_report in sorted(report.classes.items())
-            for fuser, count in sorted(cls_report.applied.items())
-        }
     return result
 
 
-def detect_main(out_file: str) -> None:
+def _detect(vllm_config) -> dict[str, Any]:
+    """The fuser registry alone (this backend), over the HF model it builds."""
+    from vllm.model_executor.models.transformers.base import build_hf_model
+    from vllm.model_executor.models.transformers.fuser import Fusers, analysed
+
+    hf_model = build_hf_model(vllm_config)
+    _clear_caches()
+    started = time.perf_counter()
+    fusers = Fusers(hf_model.base_model, vllm_config)
+    return dict(
+        detect_s=time.perf_counter() - started,
+        modules_with_fusers=len(fusers),
+        # Distinct (class, children) keys the registry analysed: constant in depth.
+        keys_analysed=len(analysed()),
+    )
+
+
+def construct_main(variant: str, out_file: str) -> None:
     import logging
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    from vllm.model_executor.models.transformers.report import vllm_runtime
-
+    # The one-process group vLLM's parallel layers need (the stock backend has no
+    # helper for it, so this one is written here).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
     rows = []
-    with vllm_runtime():
-        detect_once(DETECT_LAYERS[0])  # imports, first-touch: not measured
-        for layers in DETECT_LAYERS:
-            samples = [detect_once(layers) for _ in range(DETECT_REPEATS)]
-            rows.append(
-                dict(
-                    samples[-1],
-                    detect_s=statistics.median(s["detect_s"] for s in samples),
-                    construct_s=statistics.median(s["construct_s"] for s in samples),
-                    detect_samples=[s["detect_s"] for s in samples],
-                    construct_samples=[s["construct_s"] for s in samples],
-                )
-            )
-    base = rows[0]
-    for row in rows:
-        row["detect_ratio"] = row["detect_s"] / base["detect_s"]
-        row["construct_ratio"] = row["construct_s"] / base["construct_s"]
+    construct_once(variant, DETECT_LAYERS[0])  # imports, first-touch: not measured
+    for layers in DETECT_LAYERS:
+        samples = [construct_once(variant, layers) for _ in range(DETECT_REPEATS)]
+        row = dict(samples[-1], construct_samples=[s["construct_s"] for s in samples])
+        for key in ("construct_s", "detect_s"):  # the least disturbed build
+            if key in row:
+                row[key] = min(s[key] for s in samples)
+        rows.append(row)
     Path(out_file).write_text(json.dumps(rows))
 
 
-def detection(log_dir: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ, VLLM_TRANSFORMERS_BACKEND="project")
-    with tempfile.TemporaryDirectory(prefix="bench-detect-") as tmp:
-        out_file = Path(tmp) / "out.json"
-        log_file = log_dir / "detect.log"
-        with open(log_file, "w") as log:
-            process = subprocess.run(  # noqa: PLW1510 - the return code is checked
-                [PYTHON, str(Path(__file__).resolve()), "detect", str(out_file)],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=600,
-            )
-        if process.returncode != 0 or not out_file.is_file():
-            tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-40:])
-            raise RuntimeError(f"detection failed ({process.returncode}):\n{tail}")
-        return json.loads(out_file.read_text())
+def construction(log_dir: Path) -> dict[str, Any]:
+    """`construct_main` for each implementation, each in its own interpreter (the
+    stock backend is chosen at import); per layer is the slope over `PER_LAYER`."""
+    results: dict[str, Any] = {}
+    for variant in VARIANTS:
+        env = dict(os.environ, VLLM_TRANSFORMERS_BACKEND=VARIANTS[variant]["backend"])
+        with tempfile.TemporaryDirectory(prefix="bench-construct-") as tmp:
+            out_file = Path(tmp) / "out.json"
+            log_file = log_dir / f"construct-{variant}.log"
+            with open(log_file, "w") as log:
+                process = subprocess.run(  # noqa: PLW1510 - the return code is checked
+                    [
+                        PYTHON,
+                        str(Path(__file__).resolve()),
+                        "construct",
+                        variant,
+                        str(out_file),
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    timeout=900,
+                )
+            if process.returncode != 0 or not out_file.is_file():
+                tail = "\n".join(log_file.read_text(errors="replace").splitlines()[-40:])
+                raise RuntimeError(f"construction failed ({variant}):\n{tail}")
+            rows = json.loads(out_file.read_text())
+        by_layers = {row["layers"]: row for row in rows}
+        low, high = (by_layers[n]["construct_s"] for n in PER_LAYER)
+        results[variant] = dict(
+            rows=rows, per_layer_s=(high - low) / (PER_LAYER[1] - PER_LAYER[0])
+        )
+        print(
+            f"  {variant:>6}: "
+            + ", ".join(f"{r['layers']} layers {r['construct_s'] * 1e3:.0f} ms" for r in rows)
+            + f"; per layer {results[variant]['per_layer_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
+    return results
 
 
 # --- output --------------------------------------------------------------------
 
 
 LABELS = {
-    "this": "this backend (`transformers`)",
-    "native": "vLLM native (`vllm`)",
-    "stock": "vLLM stock backend (`transformers`, stock)",
+    "this": "this backend",
+    "native": "vLLM native",
+    "stock": "stock backend",
 }
 
 
 def markdown(summary: dict[str, Any]) -> str:
     """The tables the README quotes."""
     lines = []
-    tp = summary.get("throughput")
-    if tp:
-        m = tp["model"]
-        compilation = "eager" if tp["enforce_eager"] else "default compilation"
+    results = summary.get("throughput") or []
+    if results:
+        m = results[0]["model"]
+        loads = [
+            r["load"] for res in results for n in VARIANTS for r in res["per_round"][n]
+        ]
         lines += [
             (
                 f"Throughput on the CPU engine ({summary['machine']['cpus']} shared "
-                f"cores), random {m.get('model_type', 'llama')} "
-                f"({m['num_hidden_layers']} layers, hidden "
-                f"{m['hidden_size']}, vocab {m['vocab_size']}, {m['dtype']}), "
-                f"{tp['batch']} prompts x {tp['max_tokens']} output tokens, "
-                f"{compilation}; the three engines alternate over {tp['rounds']} "
-                f"rounds, each round's number is the best of "
-                f"{tp['batches_per_round']} timed batches:"
+                f"cores, load {min(loads):.1f}-{max(loads):.1f} during the timed "
+                f"batches), random models of {m['num_hidden_layers']} layers, hidden "
+                f"{m['hidden_size']}, vocab {m['vocab_size']}, {m['dtype']}; "
+                f"{BATCH} prompts x {PROMPT_LEN} tokens in, {MAX_TOKENS} out. Ratios "
+                "are this backend's tokens/s over the other's, the median of the "
+                "per-round ratios (engines alternating, best of "
+                f"{BATCHES_PER_ROUND} batches each per round):"
             ),
             "",
             (
-                "| implementation | output tok/s (median) | range over rounds "
-                "| this / it (median of rounds) |"
+                "| model | mode | rounds | this tok/s (generate) | vs native: "
+                "generate | prefill | decode | vs stock: generate | decode |"
             ),
-            "|---|---:|---:|---:|",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for name, label in LABELS.items():
-            values = [r["tok_s"] for r in tp["per_round"][name]]
-            ratio = tp["median_paired_ratio"].get(f"this/{name}", 1.0)
+        for res in results:
+            native, stock = res["ratio"]["native"], res["ratio"]["stock"]
             lines.append(
-                f"| {label} | {tp['median_tok_s'][name]:.0f} "
-                f"| {min(values):.0f}-{max(values):.0f} | {ratio:.2f} |"
+                f"| {res['model']['model_type']} | {res['mode']} | {res['rounds']} "
+                f"| {res['median']['this']['generate_tok_s']:.0f} "
+                f"| {native['generate_tok_s']:.2f} | {native['prefill_tok_s']:.2f} "
+                f"| {native['decode_tok_s']:.2f} | {stock['generate_tok_s']:.2f} "
+                f"| {stock['decode_tok_s']:.2f} |"
             )
+        warm = [res for res in results if "warm" in res["starts"]["this"]]
+        if warm:
+            lines += [
+                "",
+                (
+                    "Engine start, seconds until the engine answers (compiled; cold: "
+                    "a fresh compile cache, warm: the second start on it):"
+                ),
+                "",
+                "| model | " + " | ".join(f"{LABELS[n]} cold | warm" for n in VARIANTS) + " |",
+                "|---|" + "---:|---:|" * len(VARIANTS),
+            ]
+            for res in warm:
+                cells = [
+                    f"{res['starts'][n]['cold']['start_s']:.0f} "
+                    f"| {res['starts'][n]['warm']['start_s']:.0f}"
+                    for n in VARIANTS
+                ]
+                lines.append(f"| {res['model']['model_type']} | " + " | ".join(cells) + " |")
         lines.append("")
-    det = summary.get("detection")
-    if det:
+    built = summary.get("construction")
+    if built:
         lines += [
             (
-                "Fuser detection on `meta` (Llama, registry and fx caches cleared, "
-                f"median of {DETECT_REPEATS}):"
+                "Construction on `meta` (Llama, hidden 768; best of "
+                f"{DETECT_REPEATS}; this backend with its per-class caches cleared, "
+                "so its class analysis is in every build):"
             ),
             "",
-            (
-                "| layers | detection (ms) | vs 2 layers | module keys analysed "
-                "| whole construction (ms) | vs 2 layers |"
-            ),
-            "|---:|---:|---:|---:|---:|---:|",
+            "| layers | "
+            + " | ".join(f"{LABELS[n]} (ms)" for n in VARIANTS)
+            + " | this: fuser detection (ms) | module keys analysed |",
+            "|---:|" + "---:|" * (len(VARIANTS) + 2),
         ]
-        for row in det:
+        for index, row in enumerate(built["this"]["rows"]):
+            cells = [f"{built[n]['rows'][index]['construct_s'] * 1e3:.0f}" for n in VARIANTS]
             lines.append(
-                f"| {row['layers']} | {row['detect_s'] * 1e3:.1f} "
-                f"| {row['detect_ratio']:.2f} | {row['keys_analysed']} "
-                f"| {row['construct_s'] * 1e3:.0f} | {row['construct_ratio']:.2f} |"
+                f"| {row['layers']} | " + " | ".join(cells)
+                + f" | {row['detect_s'] * 1e3:.1f} | {row['keys_analysed']} |"
             )
+        lines.append(
+            f"| per layer ({PER_LAYER[0]} to {PER_LAYER[1]}) | "
+            + " | ".join(f"{built[n]['per_layer_s'] * 1e3:.2f}" for n in VARIANTS)
+            + " | | |"
+        )
     return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], out_file: Path) -> None:
+    """Bars of this backend's and the stock backend's tokens/s over native's, per
+    model and mode, for generation, prefill and decode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = summary["throughput"]
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4), sharey=True)
+    labels = [f"{r['model']['model_type']}\n{r['mode']}" for r in results]
+    width = 0.38
+    for axis, metric in zip(axes, METRICS):
+        xs = range(len(results))
+        this = [r["ratio"]["native"][metric] for r in results]
+        # stock / native = (this / native) / (this / stock)
+        stock = [r["ratio"]["native"][metric] / r["ratio"]["stock"][metric] for r in results]
+        axis.bar([x - width / 2 for x in xs], this, width, label="this backend")
+        axis.bar([x + width / 2 for x in xs], stock, width, label="stock backend")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(list(xs), labels, fontsize=8)
+        axis.set_title(metric.replace("_tok_s", "") + " tok/s vs vLLM native")
+    axes[0].set_ylabel("ratio to native (median of rounds)")
+    axes[0].legend(loc="lower left")
+    fig.suptitle(
+        f"{summary['date']}, {summary['machine']['cpus']} CPUs "
+        f"({summary['machine']['processor']}), vLLM {summary.get('versions', {}).get('vllm', '?')}"
+    )
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=110)
+    plt.close(fig)
+
+
+def merge_main(out_file: Path, in_files: list[Path]) -> None:
+    """One summary (tables and plot) from runs made part by part: their throughput
+    results in order, the first construction found, the dates and loads of each."""
+    parts = [json.loads(f.read_text()) for f in in_files]
+    summary = dict(parts[0])
+    summary["throughput"] = [r for part in parts for r in part.get("throughput", [])]
+    summary["construction"] = next(
+        (part["construction"] for part in parts if part.get("construction")), None
+    )
+    summary["parts"] = [
+        dict(date=part["date"], machine=part["machine"], file=str(f))
+        for part, f in zip(parts, in_files)
+    ]
+    out_file.write_text(json.dumps(summary, indent=1))
+    print(markdown(summary))
+    plot(summary, out_file.with_suffix(".png"))
+    print(f"\nPlot: {out_file.with_suffix('.png')}")
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["engine"]:
         return engine_main(argv[1])
-    if argv[:1] == ["detect"]:
-        return detect_main(argv[1])
+    if argv[:1] == ["construct"]:
+        return construct_main(argv[1], argv[2])
+    if argv[:1] == ["merge"]:
+        return merge_main(Path(argv[1]), [Path(a) for a in argv[2:]])
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--rounds", type=int, default=20, help="A/B/C rounds (default 20)"
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, of {', '.join(MODELS)} (default: all)",
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="eager,compiled (default: both)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds per model and mode (default 5)"
     )
     parser.add_argument(
         "--budget",
         type=float,
-        default=660,
-        help="seconds for the whole run: no round starts that would end past it "
-        "(default 660)",
-    )
-    parser.add_argument(
-        "--model",
-        default="llama",
-        choices=sorted(MODELS),
-        help="the random model whose throughput is measured (default llama)",
+        default=300,
+        help="seconds of rounds per model and mode (engine starts not counted): no "
+        "round starts that would end past it (default 300)",
     )
     parser.add_argument("--dtype", default=DTYPE, choices=["bfloat16", "float32"])
-    parser.add_argument(
-        "--eager", action="store_true", help="enforce_eager for all three"
-    )
+    parser.add_argument("--profile", action="store_true", help="ops of a batch each")
     parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--skip-detection", action="store_true")
+    parser.add_argument("--skip-construction", action="store_true")
     parser.add_argument("--out", type=Path, default=CACHE / "latest.json")
     args = parser.parse_args(argv)
+    models = args.models.split(",")
+    modes = args.modes.split(",")
+    for name, known in ((models, MODELS), (modes, MODES)):
+        if unknown := set(name) - set(known):
+            parser.error(f"unknown: {', '.join(sorted(unknown))}")
 
     started = time.monotonic()
     log_dir = CACHE / "logs" / time.strftime("%Y%m%d-%H%M%S")
@@ -773,53 +963,53 @@ def main(argv: list[str]) -> None:
         ),
         logs=os.path.relpath(log_dir, REPO),
     )
-    try:
-        import torch
-        import transformers
+    import torch
+    import transformers
 
-        import vllm
+    import vllm
 
-        summary["versions"] = dict(
-            vllm=vllm.__version__,
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-        )
-    except ImportError:
-        pass
+    summary["versions"] = dict(
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+    )
 
-    if not args.skip_detection:
-        print("Fuser detection on meta ...", flush=True)
-        summary["detection"] = detection(log_dir)
-        for row in summary["detection"]:
-            print(
-                f"  {row['layers']:>3} layers: detection "
-                f"{row['detect_s'] * 1e3:7.1f} ms (x{row['detect_ratio']:.2f}, "
-                f"{row['keys_analysed']} module keys analysed), construction "
-                f"{row['construct_s'] * 1e3:7.0f} ms (x{row['construct_ratio']:.2f})",
-                flush=True,
-            )
+    if not args.skip_construction:
+        print("Construction on meta ...", flush=True)
+        summary["construction"] = construction(log_dir)
     if not args.skip_throughput:
-        print(f"Throughput ({args.rounds} rounds, {args.dtype}) ...", flush=True)
-        summary["throughput"] = throughput(args, log_dir, started + args.budget)
-        tp = summary["throughput"]
-        print(
-            "  medians: "
-            + ", ".join(f"{n} {v:.0f}" for n, v in tp["median_tok_s"].items())
-            + " tok/s; ratios of medians: "
-            + ", ".join(f"{k} {v:.2f}" for k, v in tp["ratio"].items())
-            + "; per round: "
-            + "; ".join(
-                f"{k} " + " ".join(f"{x:.2f}" for x in v)
-                for k, v in tp["paired_ratios"].items()
-            ),
-            flush=True,
-        )
+        summary["throughput"] = []
+        for model_type in models:
+            for mode in modes:
+                print(f"Throughput: {model_type}, {mode} ...", flush=True)
+                try:
+                    result = measure(args, model_type, mode, log_dir)
+                except RuntimeError as error:  # an engine that did not start
+                    print(f"  failed: {error}", flush=True)
+                    summary.setdefault("failed", []).append(
+                        dict(model=model_type, mode=mode, error=str(error))
+                    )
+                    continue
+                summary["throughput"].append(result)
+                print(
+                    "  this / native (generate, prefill, decode): "
+                    + ", ".join(f"{v:.2f}" for v in result["ratio"]["native"].values())
+                    + "; this / stock: "
+                    + ", ".join(f"{v:.2f}" for v in result["ratio"]["stock"].values()),
+                    flush=True,
+                )
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(summary, indent=1))  # so far
     summary["seconds"] = time.monotonic() - started
     summary["machine"]["load_at_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=1))
     print()
     print(markdown(summary))
+    if summary.get("throughput"):
+        png = args.out.with_suffix(".png")
+        plot(summary, png)
+        print(f"\nPlot: {png}")
     print(f"\nSummary: {args.out} ({summary['seconds']:.0f} s)")
 
 

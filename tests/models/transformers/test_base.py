@@ -228,3 +228,82 @@ def test_repository_code_not_trusted_is_refused_not_replaced(build_backend, tmp_
     assert "'AutoModelForCausalLM': 'marker.MarkerForCausalLM'" in message
     assert "trust_remote_code=True" in message
     assert not marker.exists()
+
+
+def test_the_compiled_forward_is_one_vllms_compile_cache_can_save(build_backend):
+    """vLLM's compile cache saves the compiled model with a guard on the model's type
+    and the function it traced; both must pickle, by name or by value (issue 14:
+    "Can't pickle LlamaModel.forward" made every start recompile)."""
+    import inspect
+    import pickle
+
+    from vllm.model_executor.models.transformers.base import source_digest
+
+    model = build_backend(small_config("llama", num_hidden_layers=2))
+    compiled = type(model.model)
+    assert pickle.loads(pickle.dumps(compiled)) is compiled
+    assert compiled.hf_forward is modeling_llama.LlamaModel.forward
+    forward = compiled.forward
+    assert forward.__closure__ is None
+    # Dynamo wraps a method whose source it cannot find in a closure over the model.
+    assert inspect.getsourcefile(forward) is not None
+    def parameters(function) -> list[tuple]:
+        return [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(function).parameters.values()
+        ]
+
+    assert parameters(forward) == parameters(modeling_llama.LlamaModel.forward)
+    assert forward.__qualname__ == f"LlamaModel.forward[{source_digest()}]"
+
+
+def test_the_compiled_forward_passes_every_argument_through():
+    from vllm.model_executor.models.transformers.base import compiled_entry
+
+    class Model:
+        def forward(self, a, b=2, *rest, c, d=4, **extra):
+            return a, b, rest, c, d, extra
+
+    class Compiled(Model):
+        forward = compiled_entry(Model)
+        hf_forward = Model.forward
+
+    model = Compiled()
+    for args, kwargs in [
+        ((1,), dict(c=3)),
+        ((1, 5, 6, 7), dict(c=3, d=8, e=9)),
+        ((), dict(a=1, b=5, c=3, e=9)),
+    ]:
+        assert model.forward(*args, **kwargs) == Model().forward(*args, **kwargs)
+    with pytest.raises(TypeError):
+        model.forward(1)  # `c` is required, as in the original
+
+
+def test_the_compiled_forward_passes_arguments_by_keyword_as_hf_expects():
+    """HF's `merge_with_config_defaults` over another decorator reads a default from
+    the config unless the argument came by keyword, then passes it twice if it
+    also came positionally ("got multiple values for argument 'use_cache'")."""
+    import functools
+    from types import SimpleNamespace
+
+    from transformers.utils.generic import merge_with_config_defaults
+
+    from vllm.model_executor.models.transformers.base import compiled_entry
+
+    def original(self, input_ids=None, use_cache=None, **kwargs):
+        return input_ids, use_cache, kwargs
+
+    @functools.wraps(original)
+    def decorated(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    class Model:
+        config = SimpleNamespace(use_cache=True)
+        forward = merge_with_config_defaults(decorated)
+
+    class Compiled(Model):
+        forward = compiled_entry(Model)
+        hf_forward = Model.forward
+
+    assert Compiled().forward(input_ids=1, use_cache=False, x=2) == (1, False, {"x": 2})
+    assert Compiled().forward(input_ids=1) == (1, True, {})

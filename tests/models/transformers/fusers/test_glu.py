@@ -211,3 +211,24 @@ def test_nothing_is_matched_when_tracing_stops_before_the_gate(declined):
 def test_near_misses_are_declined_with_a_reason(module, reason, declined):
     assert get_fuser(module, GLUFuser) is None
     assert any(reason in r for r in declined(GLUFuser)), declined(GLUFuser)
+
+
+def test_an_activation_module_is_traced_once_per_state(monkeypatch):
+    """Each instance's activation is checked, but a model holds one per layer: one
+    trace per class and attributes, so checking grows with classes, not depth."""
+    from vllm.model_executor.models.transformers.fusers import glu
+
+    traced = []
+    trace = glu.tracing.trace
+    monkeypatch.setattr(glu.tracing, "trace", lambda m: traced.append(m) or trace(m))
+    glu.clear_cache()
+    activations = [ACT2FN["silu"] for _ in range(4)] + [ACT2FN["gelu"] for _ in range(4)]
+    assert [glu._activation_of_module(a) for a in activations] == ["silu"] * 4 + [
+        "gelu"
+    ] * 4
+    assert len(traced) == 2
+    # Other attributes are another state: Transformers' Python GELU is not vLLM's.
+    assert glu._activation_of_module(ACT2FN["gelu_python"]) is None
+    clipped = ACT2FN["gelu_10"]
+    assert glu._activation_of_module(clipped) is None
+    assert len(traced) == 4

@@ -14,9 +14,12 @@ Construction happens in this order, each step owned by one place:
 """
 
 import functools
+import hashlib
 import inspect
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import linecache
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -166,20 +169,104 @@ def _no_dynamic_rope(vllm_config: "VllmConfig") -> bool:
 
 
 @functools.cache
+def source_digest() -> str:
+    """A digest of this subpackage's source: what the fusers rewrite is not in the
+    files vLLM's compile cache checks (the HF modeling files), so a cached graph
+    must also be keyed on the code that rewrote them."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def compiled_entry(cls: type[nn.Module]) -> Callable:
+    """The forward vLLM compiles for `cls`: a call of HF's (decorated) forward,
+    `hf_forward`, through a function of its own with the same parameters, so that
+    vLLM's compile cache can save the compiled model and a second start load it.
+
+    Compiling HF's forward itself fails to save ("Can't pickle LlamaModel.forward:
+    it's not the same object as ...LlamaModel.forward"): it is a decorator's wrapper
+    whose closure holds the undecorated forward under the same qualified name, which
+    pickle can only save by name. This function has no closure; its parameters are
+    HF's (Dynamo binds the call to the code's own parameter names); its qualified
+    name carries the class and `source_digest()`, which vLLM keys its cache on; and
+    each class gets its own code object, so Dynamo never shares an entry between
+    two classes."""
+    signature = inspect.signature(cls.forward)
+    parameters = list(signature.parameters.values())[1:]  # after `self`
+    kind = inspect.Parameter
+    # Passed on by keyword wherever the signature allows, as the backend calls HF's
+    # forward: HF's decorators read a default from the config when an argument is
+    # in neither place they look, and then pass it twice if it came positionally.
+    positional = {kind.POSITIONAL_ONLY}
+    if any(p.kind is kind.VAR_POSITIONAL for p in parameters):
+        positional.add(kind.POSITIONAL_OR_KEYWORD)
+    listed, passed = ["self"], []
+    for parameter in parameters:
+        name = parameter.name
+        if parameter.kind is kind.VAR_POSITIONAL:
+            listed.append(f"*{name}")
+            passed.append(f"*{name}")
+        elif parameter.kind is kind.VAR_KEYWORD:
+            listed.append(f"**{name}")
+            passed.append(f"**{name}")
+        else:
+            if parameter.kind is kind.KEYWORD_ONLY and not any(
+                p.startswith("*") for p in listed
+            ):
+                listed.append("*")
+            listed.append(name)
+            passed.append(name if parameter.kind in positional else f"{name}={name}")
+    qualname = f"{cls.__qualname__}.forward[{source_digest()}]"
+    source = (
+        f"def forward({', '.join(listed)}):\n"
+        f"    return self.hf_forward({', '.join(passed)})\n"
+    )
+    # Its source is where `inspect` finds it: Dynamo wraps a method whose source it
+    # cannot find in a closure, which holds the model and cannot be saved.
+    filename = f"<compiled entry of {qualname}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace)
+    forward = namespace["forward"]
+    forward.__qualname__ = qualname
+    forward.__code__ = forward.__code__.replace(co_qualname=qualname)
+    forward.__defaults__ = tuple(
+        p.default
+        for p in parameters
+        if p.kind in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD)
+        and p.default is not p.empty
+    ) or None
+    forward.__kwdefaults__ = {
+        p.name: p.default
+        for p in parameters
+        if p.kind is kind.KEYWORD_ONLY and p.default is not p.empty
+    } or None
+    return forward
+
+
+@functools.cache
 def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
     """`cls` under vLLM's `support_torch_compile`, as a subclass whose `__init__`
-    builds nothing: it only sets the compile state on an instance already built."""
+    builds nothing: it only sets the compile state on an instance already built.
+    Its `forward` is `compiled_entry(cls)`; HF's stays reachable as `hf_forward`.
+
+    The subclass is an attribute of this module under the name it is pickled by:
+    Dynamo saves a guard on the model's type with the compiled model, by name."""
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = "") -> None:
         pass
 
+    name = f"{cls.__module__}.{cls.__qualname__}".replace(".", "_")
     subclass = type(
         cls.__name__,
         (cls,),
         {
             "__init__": __init__,
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
+            "forward": compiled_entry(cls),
+            "hf_forward": cls.forward,
+            "__module__": __name__,
+            "__qualname__": name,
         },
     )
     # HF models take a batch dimension: [1, tokens] ids, [1, tokens, hidden]
@@ -188,9 +275,11 @@ def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
     dims = {"input_ids": 1, "inputs_embeds": 1, "position_ids": -1}
     if "token_type_ids" in inspect.signature(cls.forward).parameters:
         dims["token_type_ids"] = 1
-    return support_torch_compile(dynamic_arg_dims=dims, enable_if=_no_dynamic_rope)(
-        subclass
-    )
+    compilable = support_torch_compile(
+        dynamic_arg_dims=dims, enable_if=_no_dynamic_rope
+    )(subclass)
+    globals()[name] = compilable
+    return compilable
 
 
 def enable_compile(base_model: nn.Module, vllm_config: "VllmConfig") -> None:

@@ -25,7 +25,7 @@ from torch import fx, nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import tracing
-from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
+from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES, glu
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
     Declined,
@@ -174,6 +174,7 @@ def clear_cache() -> None:
     """Forget every class analysis (tests that reuse a class with other shapes)."""
     with _analysis_lock:
         _analyses.clear()
+        glu.clear_cache()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 """Gated linear units: gate and up projections, stacked, with vLLM's act-and-mul."""
 
 import ast
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
@@ -50,10 +51,61 @@ _FUNCTIONS = {F.silu: "silu", F.gelu: "gelu"}
 and vLLM's act-and-mul name for each, with their default arguments."""
 
 
+_activations: dict[Hashable, str | None] = {}
+"""`_state(module)` -> what `_traced_activation(module)` found for it."""
+
+
+def clear_cache() -> None:
+    """Forget the activations traced so far (with the registry's class analyses)."""
+    _activations.clear()
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
+"""What every `nn.Module` keeps in its `__dict__` (hooks, parameter dicts...)."""
+
+
+def _state(module: nn.Module) -> Hashable | None:
+    """Everything that decides what an activation module computes: its class, its
+    plain attributes (`GELUActivation`'s function, an `approximate=`), the names of
+    its parameters and buffers, and its children's states; `None` where an attribute
+    cannot be compared (then the module is traced itself)."""
+    plain = tuple(
+        sorted(
+            (name, value)
+            for name, value in vars(module).items()
+            if name not in _MODULE_INTERNALS
+        )
+    )
+    children = tuple((n, _state(c)) for n, c in module.named_children())
+    state = (
+        type(module),
+        plain,
+        tuple(module._parameters),
+        tuple(module._buffers),
+        children,
+    )
+    try:
+        hash(state)
+    except TypeError:
+        return None
+    return None if any(c is None for _, c in children) else state
+
+
 def _activation_of_module(child: object) -> str | None:
-    """vLLM's act-and-mul name for the activation module `child` computes."""
+    """vLLM's act-and-mul name for the activation module `child` computes: traced
+    once per state (`_state`), not once per instance, since a model holds one
+    activation per layer."""
     if not isinstance(child, nn.Module):
         return None
+    state = _state(child)
+    if state is None:
+        return _traced_activation(child)
+    if state not in _activations:
+        _activations[state] = _traced_activation(child)
+    return _activations[state]
+
+
+def _traced_activation(child: nn.Module) -> str | None:
     traced = tracing.trace(child)
     calls = [n for n in traced.graph.nodes if n.op not in ("placeholder", "output")]
     if not traced.complete or len(calls) != 1:
