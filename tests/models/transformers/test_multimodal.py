@@ -287,10 +287,14 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
     report = model.report
     assert report.servable and len(report.attention) == 2
     assert [d.split(":")[0] for d in report.details["moe"]] == [
-        f"model.language_model.layers.{i}.mlp.experts (MixtralExperts)"
+        f"model.language_model.layers.{i}.mlp.{part}"
         for i in range(2)
+        for part in ("gate (MixtralTopKRouter)", "experts (MixtralExperts)")
     ]
-    assert all("vLLM fused MoE" in d for d in report.details["moe"])
+    experts = [d for d in report.details["moe"] if ".experts " in d]
+    assert all("vLLM fused MoE" in d for d in experts)
+    routers = [d for d in report.details["moe"] if ".gate " in d]
+    assert all("vLLM's router" in d for d in routers)
     assert set(report.kept) == {"vision_tower", "multi_modal_projector"}
     for name in report.kept:
         tower = model.model.get_submodule(name)

@@ -125,6 +125,22 @@ def test_moe_blocks_are_listed_with_router_experts_top_k_activation_and_path(vll
     assert "  model.layers.{i}.mlp.experts (MixtralExperts): 4 experts" in rendered
 
 
+def test_moe_block_lists_its_shared_expert_and_gate_beside_router_and_experts(
+    vllm_runtime,
+):
+    report = build_report(small_config("qwen2_moe", num_experts=4), "qwen2_moe")
+    rendered = render(report, Style(False))
+    assert (
+        "  model.layers.{i}.mlp: beside them shared_expert, shared_expert_gate "
+        "(the block's own code, on vLLM's linears)"
+    ) in rendered
+    mixtral = render(
+        build_report(small_config("mixtral", num_local_experts=4), "mixtral"),
+        Style(False),
+    )
+    assert "beside them" not in mixtral
+
+
 def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
     reports = {
         model_type: build_report(small_config(model_type, **changes), model_type)

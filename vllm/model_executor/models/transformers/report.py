@@ -215,6 +215,35 @@ DETAIL_TITLES = {"moe": "Mixture-of-experts blocks"}
 """Section titles for the fusion kinds whose instances the report lists."""
 
 
+def _beside(report: FusionReport, details: list[str]) -> list[str]:
+    """For each block holding listed instances, its other children with linears
+    (an MoE block's shared expert and its gate), which run in the block's own code."""
+    listed: dict[str, set[str]] = {}
+    for detail in details:
+        block, _, child = LAYER_INDEX.sub(".{i}.", detail.split(" ", 1)[0]).rpartition(
+            "."
+        )
+        listed.setdefault(block, set()).add(child)
+    lines = []
+    for block, children in listed.items():
+        others = sorted(
+            {
+                name[len(block) + 1 :].split(".")[0]
+                for linear in report.linears
+                if (name := LAYER_INDEX.sub(".{i}.", linear.module)).startswith(
+                    f"{block}."
+                )
+            }
+            - children
+        )
+        if others:
+            lines.append(
+                f"  {block}: beside them {', '.join(others)} (the block's own code, "
+                "on vLLM's linears)"
+            )
+    return lines
+
+
 def render(report: FusionReport, style: Style) -> str:
     lines = [style.head(f"Fusion report: {report.model}")]
     lines.append(style.head("\nModule classes"))
@@ -266,6 +295,7 @@ def render(report: FusionReport, style: Style) -> str:
             LAYER_INDEX.sub(".{i}.", d) for d in details
         ).items():
             lines.append(f"  {detail}{f' x{count}' if count > 1 else ''}")
+        lines.extend(_beside(report, details))
     if report.pooler is not None:
         lines.append(style.head("\nPooling"))
         lines.append(f"  Pooler: {report.pooler}")
