@@ -391,13 +391,10 @@ class RouterFuser(RewriteFuser):
             has_bias=self.bias is not None,
             prefix=f"{prefix}.{ROUTER_ATTR}",
         )
-        # The router's tensors now live in vLLM's router, which loads them.
-        for name in self._hf_tensors():
-            owner, _, attr = name.rpartition(".")
-            delattr(module.get_submodule(owner), attr)
-        owner = self.weight.rpartition(".")[0]
-        if owner:
-            delattr(module, owner.split(".")[0])
+        # The router's tensors (or the child linear holding them) now live in
+        # vLLM's router, which loads them.
+        for name in {name.split(".")[0] for name in self._hf_tensors()}:
+            delattr(module, name)
         setattr(module, ROUTER_ATTR, router)
 
     def _hf_tensors(self) -> dict[str, str]:
