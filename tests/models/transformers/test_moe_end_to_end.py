@@ -28,6 +28,8 @@ ARCHS = [
     "hunyuan_v1_moe",
     "mellum",
     "gpt_oss",
+    "minimax_m2",
+    "afmoe",
 ]
 
 DEEPSEEK = "deepseek_v3_moe"

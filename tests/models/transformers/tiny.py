@@ -317,6 +317,30 @@ ARCHS: dict[str, dict[str, Any]] = {
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
+    # MiniMax-M2: sigmoid router choosing with a correction bias its block keeps
+    # (and hands in), top-k renormalised; q/k norms over the whole projection width,
+    # rotary on half of each head.
+    "minimax_m2": dict(
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        partial_rotary_factor=0.5,
+    ),
+    # AFMoE: a first dense layer, then sigmoid routing with the block's `expert_bias`
+    # handed in to choose, renormalised and scaled by `route_scale`; a shared
+    # expert; gated attention with q/k norms; sliding and full layers.
+    "afmoe": dict(
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        num_dense_layers=1,
+        num_shared_experts=1,
+        route_scale=2.0,
+        sliding_window=SLIDING_WINDOW,
+        global_attn_every_n_layers=2,
+    ),
     # DeepSeek-V3 with real MoE layers after a first dense one: sigmoid scores with a
     # correction bias (perturbed) choosing, grouped top-k (2 of 4 groups), the chosen
     # scores renormalised and scaled by `routed_scaling_factor`, a shared expert.

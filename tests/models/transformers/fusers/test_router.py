@@ -5,6 +5,7 @@ near misses it declines, with why."""
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,7 +15,10 @@ from transformers import AutoConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
 from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+from transformers.models.hy_v3.modeling_hy_v3 import HYV3TopKRouter
+from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
@@ -79,6 +83,30 @@ ROUTERS = {
         dict(scoring="sigmoid", num_expert_group=None, renormalize=False,
              correction_bias="e_score_correction_bias"),
     ),
+    # The block hands the correction bias in: the router's second input.
+    "afmoe-sigmoid-corrected-handed-in-scaled": (
+        lambda: AfmoeTokenChoiceRouter(
+            config("afmoe", num_experts=16, num_experts_per_tok=4, route_scale=2.0)
+        ),
+        dict(scoring="sigmoid", correction_bias="expert_bias",
+             correction_handed_in=True, renormalize=True, scale=2.0,
+             float32_logits=False),
+    ),
+    "minimax-m2-sigmoid-corrected-handed-in": (
+        lambda: MiniMaxM2TopKRouter(
+            config("minimax_m2", num_local_experts=16, num_experts_per_tok=4)
+        ),
+        dict(scoring="sigmoid", correction_bias="e_score_correction_bias",
+             correction_handed_in=True, renormalize=True, scale=1.0),
+    ),
+    "hy-v3-float32-corrected-handed-in-scaled": (
+        lambda: HYV3TopKRouter(
+            config("hy_v3", num_experts=16, num_experts_per_tok=4,
+                   router_scaling_factor=1.5)
+        ),
+        dict(scoring="sigmoid", correction_handed_in=True, renormalize=True,
+             scale=1.5, float32_logits=True),
+    ),
 }
 
 
@@ -138,11 +166,39 @@ def test_vllm_router_chooses_what_transformers_chooses(name, dtype, fuse):
     assert isinstance(getattr(fused, ROUTER_ATTR), VllmRouter)
     assert not [n for n, _ in fused.named_parameters() if ROUTER_ATTR not in n]
     generator = torch.Generator().manual_seed(1)
-    for tokens in (1, 7, 256):
-        x = torch.randn(tokens, HIDDEN, generator=generator, dtype=dtype)
+    routing = applied[0].routing
+    # A correction handed in by the block, by position and by name.
+    experts = getattr(fused, ROUTER_ATTR).num_experts
+    bias = 0.3 * torch.randn(experts, generator=generator, dtype=dtype)
+    cases = [(1, False), (7, True), (256, False)]
+    for (tokens, by_name), rank in itertools.product(cases, applied[0].ranks):
+        shape = (1, tokens, HIDDEN)[-rank:]
+        x = torch.randn(shape, generator=generator, dtype=dtype)
+        args, kwargs = (x,), {}
+        if routing.correction_handed_in and by_name:
+            kwargs = {routing.correction_bias: bias}
+        elif routing.correction_handed_in:
+            args = (x, bias)
         with torch.no_grad():
-            expected, actual = reference(x), fused(x)
-        assert_same_routing(expected, actual, applied[0].routing.outputs)
+            expected, actual = reference(*args, **kwargs), fused(*args, **kwargs)
+        assert_same_routing(expected, actual, routing.outputs)
+
+
+def test_router_is_fused_for_the_input_ranks_it_was_proven_on(fuse):
+    """gpt-oss's router takes its softmax over dimension 1: right on `[tokens,
+    width]`, not on `[batch, tokens, width]` (its block flattens first), and
+    AFMoE's unpacks three dimensions. Each is proven, and served, on those."""
+    gpt_oss = get_fuser(
+        GptOssTopKRouter(config("gpt_oss", num_local_experts=8)), RouterFuser
+    )
+    assert gpt_oss.ranks == (2,)
+    build, _ = ROUTERS["afmoe-sigmoid-corrected-handed-in-scaled"]
+    assert get_fuser(build(), RouterFuser).ranks == (3,)
+    assert get_fuser(qwen3(True), RouterFuser).ranks == (2, 3)
+    router = GptOssTopKRouter(config("gpt_oss", num_local_experts=8))
+    fused, _ = fuse(randomized(router, torch.float32))
+    with pytest.raises(ValueError, match="2 dimensions, and got 3"):
+        fused(torch.randn(1, 4, HIDDEN))
 
 
 def test_routing_features_each_change_the_choice():
@@ -268,15 +324,23 @@ class KeepsExpertZero(Router):
         return logits, weights, kept
 
 
-class BiasHandedIn(Router):
-    """The block hands in the correction bias (AFMoE): the fused forward takes
-    the hidden states only."""
+class TemperatureHandedIn(Router):
+    """The caller hands in a temperature, which no vLLM router takes."""
 
-    def forward(self, hidden_states, expert_bias):
+    def forward(self, hidden_states, temperature):
         logits = F.linear(hidden_states, self.weight)
-        scores = logits.sigmoid()
-        ids = torch.topk(scores + expert_bias, self.top_k, dim=-1)[1]
-        return logits, scores.gather(1, ids), ids
+        weights, ids = torch.topk(F.softmax(logits / temperature, dim=-1), 2, dim=-1)
+        return logits, weights, ids
+
+
+class HandedInBiasWeighs(Router):
+    """A bias handed in that also weighs the chosen experts, not only chooses."""
+
+    def forward(self, hidden_states, bias):
+        logits = F.linear(hidden_states, self.weight)
+        scores = logits.sigmoid() + bias
+        weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        return logits, weights, ids
 
 
 class TwoProjections(Router):
@@ -302,7 +366,8 @@ class TwoProjections(Router):
         (Tempered(), "chooses other experts or weights"),
         (KeepsExpertZero(), "changes its top-k expert ids before"),
         (TwoProjections(), "from 2 projections, not one"),
-        (BiasHandedIn(), "reads inputs other than the hidden states"),
+        (TemperatureHandedIn(), "reads inputs other than the hidden states"),
+        (HandedInBiasWeighs(), "chooses other experts or weights"),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
 )

@@ -35,7 +35,10 @@ class Routing:
     """Experts are chosen within the best `topk_group` of this many groups."""
     topk_group: int | None
     correction_bias: str | None
-    """The router's tensor added to the scores to choose (not to weigh) experts."""
+    """The router's tensor added to the scores to choose (not to weigh) experts,
+    or the name of the router's input carrying it."""
+    correction_handed_in: bool
+    """Whether the caller hands the correction in (the block keeps it)."""
     scale: float
     """The routed scaling factor the chosen weights are multiplied by."""
     float32_logits: bool
@@ -75,7 +78,9 @@ class Routing:
             parts.append(
                 f"in the best {self.topk_group} of {self.num_expert_group} groups"
             )
-        if self.correction_bias is not None:
+        if self.correction_handed_in:
+            parts.append(f"choice corrected by the `{self.correction_bias}` handed in")
+        elif self.correction_bias is not None:
             parts.append(f"choice corrected by `{self.correction_bias}`")
         if self.renormalize:
             parts.append("renormalised")
@@ -96,10 +101,14 @@ class VllmRouter(nn.Module):
         num_experts: int,
         hidden_size: int,
         has_bias: bool,
+        ranks: tuple[int, ...],
         prefix: str,
     ):
         super().__init__()
         self.routing = routing
+        # The ranks of hidden states the routing was proven equal on.
+        self.ranks = ranks
+        self.prefix = prefix
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         # The model's dtype (vLLM's default while it builds) unless the router
@@ -114,7 +123,16 @@ class VllmRouter(nn.Module):
             return_bias=False,
         )
         bias = None
-        if routing.correction_bias is not None:
+        if routing.correction_handed_in:
+            # vLLM's router holds its bias as a tensor of its own: the one handed
+            # in is copied into it before each choice (not in the checkpoint).
+            self.register_buffer(
+                "e_score_correction_bias",
+                torch.zeros(num_experts, dtype=torch.float32),
+                persistent=False,
+            )
+            bias = self.e_score_correction_bias
+        elif routing.correction_bias is not None:
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False
             )
@@ -123,7 +141,18 @@ class VllmRouter(nn.Module):
             **routing.router_arguments(num_experts), e_score_correction_bias=bias
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, hidden_states: torch.Tensor, *handed: torch.Tensor, **by_name: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        if hidden_states.dim() not in self.ranks:
+            raise ValueError(
+                f"{self.prefix}: the router was proven to route as Transformers' "
+                f"for hidden states of {' or '.join(map(str, self.ranks))} "
+                f"dimensions, and got {hidden_states.dim()}"
+            )
+        if self.routing.correction_handed_in:
+            (correction,) = (*handed, *by_name.values())
+            self.e_score_correction_bias.copy_(correction)
         if self.routing.flattens:
             hidden_states = hidden_states.reshape(-1, self.hidden_size)
         if self.routing.float32_logits:
@@ -166,6 +195,9 @@ def reference_route(
     return route_outputs(routing, logits, weights, ids)
 
 
-def vllm_router_forward(self: nn.Module, hidden_states: torch.Tensor):
-    """The forward a fused HF router module takes: its vLLM router's."""
-    return getattr(self, ROUTER_ATTR)(hidden_states)
+def vllm_router_forward(
+    self: nn.Module, hidden_states: torch.Tensor, *handed: torch.Tensor, **by_name
+):
+    """The forward a fused HF router module takes: its vLLM router's (with the
+    correction bias its caller hands in, if any)."""
+    return getattr(self, ROUTER_ATTR)(hidden_states, *handed, **by_name)

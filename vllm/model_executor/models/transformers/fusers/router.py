@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 _SCORES = frozenset({"softmax", "sigmoid"})
 _DIVISIONS = frozenset({"truediv", "div", "itruediv", "div_"})
 _PROBE_TOKENS = 64
+_RANKS = (2, 3)
+"""Hidden states a router may be handed: `[tokens, width]`, `[batch, tokens, width]`."""
 
 
 def _computed_from(node: fx.Node) -> set[fx.Node]:
@@ -122,7 +124,10 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         )
         return "it changes its top-k expert ids before returning them" if changed else None
     chosen = ids[0].args[0]
-    if sum(node.op == "placeholder" for node in graph.nodes) != 1:
+    # The hidden states, then at most one input handed in by the caller, which
+    # may only correct the choice (AFMoE's block hands in its `expert_bias`).
+    handed = [node for node in graph.nodes if node.op == "placeholder"][1:]
+    if len(handed) > 1:
         return "its routing reads inputs other than the hidden states"
     projection = _projection(graph, module)
     if isinstance(projection, str):
@@ -156,15 +161,23 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
     scoring = scores.pop()
 
     num_experts = module.get_parameter(projection.weight).shape[0]
+    def added(value: object) -> str | None:
+        if fx_utils.uncast(value) in handed:
+            return str(fx_utils.uncast(value).target)
+        return _attribute(value)
+
     correction = [
         name
         for node in before
         if fx_utils.op_name(node) in ("add", "iadd")
-        for name in map(_attribute, node.args[:2])
+        for name in map(added, node.args[:2])
         if name is not None and name not in (projection.weight, projection.bias)
     ]
     if len(correction) > 1:
         return "it adds more than one tensor of its own to the scores"
+    handed_in = bool(handed) and correction == [str(handed[0].target)]
+    if handed and not handed_in:
+        return "its routing reads inputs other than the hidden states"
 
     # `scores.view(-1, groups, experts // groups)`, and a top-k over what each
     # group scores (not the top-k within each group, which reads the view).
@@ -206,6 +219,7 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         num_expert_group=groups[0] if groups else None,
         topk_group=group_topk[0] if groups else None,
         correction_bias=correction[0] if correction else None,
+        correction_handed_in=handed_in,
         scale=float(scale),
         float32_logits=_is_float32_cast(projection.input),
         flattens=fx_utils.op_name(flat_input) in ("view", "reshape"),
@@ -244,6 +258,10 @@ def _same_choice(
     return True
 
 
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return " and ".join(f"{rank}-D" for rank in ranks) or "no"
+
+
 @dataclass
 class RouterFuser(RewriteFuser):
     """`w, ids = topk(score(x @ W.T [+ b]) [+ correction], k)` with optional
@@ -259,6 +277,9 @@ class RouterFuser(RewriteFuser):
     routing: Routing | None = None
     weight: str = ""
     bias: str | None = None
+    ranks: tuple[int, ...] = ()
+    """The ranks of hidden states the routing was proven on (gpt-oss's router
+    takes its softmax over dimension 1, which is right on `[tokens, width]` only)."""
     verdicts: dict = field(default_factory=dict, repr=False, compare=False)
     """Probe verdicts per instance signature (class attributes and tensor shapes)."""
 
@@ -283,8 +304,9 @@ class RouterFuser(RewriteFuser):
             return cls.decline(module, found)
         routing, projection = found
         fuser = cls(routing=routing, weight=projection.weight, bias=projection.bias)
-        if reason := fuser.unproven(module):
-            return cls.decline(module, reason)
+        fuser.ranks, reason = fuser._verdict(module)
+        if not fuser.ranks:
+            return cls.decline(module, reason or "no probe ran")
         return fuser
 
     def update_forward(self, module: nn.Module) -> None:
@@ -309,25 +331,47 @@ class RouterFuser(RewriteFuser):
         return (type(module), attributes, tensors)
 
     def unproven(self, module: nn.Module) -> str | None:
-        """Why vLLM's router does not compute what `module` does on a probe."""
+        """Why vLLM's router does not compute what `module` does on a probe, on
+        the ranks of hidden states the analysed instance was proven on."""
+        ranks, reason = self._verdict(module)
+        if not ranks:
+            return reason
+        if ranks != self.ranks:
+            return (
+                f"it is proven on {_ranks(ranks)} hidden states, the analysed "
+                f"instance on {_ranks(self.ranks)}"
+            )
+        return None
+
+    def _verdict(self, module: nn.Module) -> tuple[tuple[int, ...], str | None]:
+        """The ranks of hidden states on which vLLM's router computes what
+        `module` does (float64 and float32 probes), and why not on the others."""
         signature = self._signature(module)
         if signature is not None and signature in self.verdicts:
             return self.verdicts[signature]
+        proven: list[int] = []
+        reasons: list[str] = []
         # On the CPU whatever the default device: the report builds on `meta`.
         with torch.device("cpu"):
-            verdict = next(
-                (
-                    reason
-                    for dtype in (torch.float64, torch.float32)
-                    if (reason := self._probe(module, dtype)) is not None
-                ),
-                None,
-            )
+            for rank in _RANKS:
+                reason = next(
+                    (
+                        reason
+                        for dtype in (torch.float64, torch.float32)
+                        if (reason := self._probe(module, dtype, rank)) is not None
+                    ),
+                    None,
+                )
+                if reason is None:
+                    proven.append(rank)
+                else:
+                    reasons.append(reason)
+        verdict = (tuple(proven), reasons[0] if reasons else None)
         if signature is not None:
             self.verdicts[signature] = verdict
         return verdict
 
-    def _probe(self, module: nn.Module, dtype: torch.dtype) -> str | None:
+    def _probe(self, module: nn.Module, dtype: torch.dtype, rank: int) -> str | None:
         assert self.routing is not None
         generator = torch.Generator(device="cpu").manual_seed(0)
         weight = module.get_parameter(self.weight)
@@ -345,34 +389,40 @@ class RouterFuser(RewriteFuser):
         }
         # Logits spread a few units apart, so float32 rounding ties no choices.
         tensors[self.weight] = random(weight.shape, 2.0 / hidden**0.5)
-        x = random((_PROBE_TOKENS, hidden), 1.0)
+        x = random((1, _PROBE_TOKENS, hidden)[-rank:], 1.0)
+        routing = self.routing
+        handed = (random((num_experts,), 0.3),) if routing.correction_handed_in else ()
         try:
             with torch.no_grad():
-                expected = torch.func.functional_call(module, tensors, (x,))
+                expected = torch.func.functional_call(module, tensors, (x, *handed))
         except Exception as error:  # noqa: BLE001 - a router we cannot run is declined
             return f"it fails on a probe: {type(error).__name__}: {error}"
-        if not isinstance(expected, tuple) or len(expected) != len(self.routing.outputs):
+        if not isinstance(expected, tuple) or len(expected) != len(routing.outputs):
             return "it does not return the outputs its dataflow shows"
-        inputs = x.float() if self.routing.float32_logits else x
+        inputs = x.reshape(-1, hidden) if routing.flattens else x
+        inputs = inputs.float() if routing.float32_logits else inputs
         logits = F.linear(
             inputs,
             tensors[self.weight].to(inputs.dtype),
             None if self.bias is None else tensors[self.bias].to(inputs.dtype),
         )
-        correction = self.routing.correction_bias
+        if handed:
+            correction = handed[0]
+        elif routing.correction_bias is not None:
+            correction = tensors[routing.correction_bias]
+        else:
+            correction = None
         try:
             got = reference_route(
-                self.routing,
-                logits,
-                None if correction is None else tensors[correction].float(),
+                routing, logits, None if correction is None else correction.float()
             )
         except Exception as error:  # noqa: BLE001 - vLLM refuses this routing
             return f"vLLM's router fails on it: {type(error).__name__}: {error}"
-        if not _same_choice(expected, got, self.routing.outputs):
+        if not _same_choice(expected, got, routing.outputs):
             return (
                 f"on a {str(dtype).removeprefix('torch.')} probe it chooses other "
                 f"experts or weights than vLLM's router with the routing its "
-                f"dataflow shows ({self.routing.describe()})"
+                f"dataflow shows ({routing.describe()})"
             )
         return None
 
@@ -389,6 +439,7 @@ class RouterFuser(RewriteFuser):
             num_experts,
             hidden,
             has_bias=self.bias is not None,
+            ranks=self.ranks,
             prefix=f"{prefix}.{ROUTER_ATTR}",
         )
         # The router's tensors (or the child linear holding them) now live in
@@ -403,7 +454,8 @@ class RouterFuser(RewriteFuser):
         found = {self.weight: "gate.weight"}
         if self.bias is not None:
             found[self.bias] = "gate.bias"
-        if self.routing.correction_bias is not None:
+        # A correction handed in stays where the caller keeps it.
+        if self.routing.correction_bias and not self.routing.correction_handed_in:
             found[self.routing.correction_bias] = "e_score_correction_bias"
         return found
 
@@ -415,9 +467,10 @@ class RouterFuser(RewriteFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         assert self.routing is not None
+        only = "" if self.ranks == _RANKS else f" (on {_ranks(self.ranks)} inputs)"
         return (
             f"{name} ({type(module).__name__}): router -> vLLM's router: "
-            f"{self.routing.describe()}"
+            f"{self.routing.describe()}{only}"
         )
 
     def info(self, name: str, module: nn.Module) -> str:
