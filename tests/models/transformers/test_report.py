@@ -141,6 +141,24 @@ def test_moe_block_lists_its_shared_expert_and_gate_beside_router_and_experts(
     assert "beside them" not in mixtral
 
 
+def test_dense_layer_at_a_block_path_is_not_listed_beside_the_experts(vllm_runtime):
+    """AFMoE's first layer is a dense MLP at `mlp`, where the others have their
+    experts: its projections are no part of any block."""
+    report = build_report(
+        small_config(
+            "afmoe", num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+            num_shared_experts=1,
+        ),
+        "afmoe",
+    )
+    assert report.servable, report.reason
+    beside = [line for line in render(report, Style(False)).splitlines() if "beside" in line]
+    assert beside == [
+        "  model.layers.{i}.mlp: beside them shared_experts (the block's own code, "
+        "on vLLM's linears)"
+    ]
+
+
 def test_unserved_model_types_group_by_cause_not_by_where(vllm_runtime):
     reports = {
         model_type: build_report(small_config(model_type, **changes), model_type)

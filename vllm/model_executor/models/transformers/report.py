@@ -220,28 +220,24 @@ def _beside(report: FusionReport, details: list[str]) -> list[str]:
     (an MoE block's shared expert and its gate), which run in the block's own code."""
     listed: dict[str, set[str]] = {}
     for detail in details:
-        block, _, child = LAYER_INDEX.sub(".{i}.", detail.split(" ", 1)[0]).rpartition(
-            "."
-        )
+        block, _, child = detail.split(" ", 1)[0].rpartition(".")
         listed.setdefault(block, set()).add(child)
-    lines = []
+    # Per block instance (a dense layer at the same path, AFMoE's first, is no
+    # block), then grouped by path across layers.
+    beside: dict[str, set[str]] = {}
     for block, children in listed.items():
-        others = sorted(
-            {
-                name[len(block) + 1 :].split(".")[0]
-                for linear in report.linears
-                if (name := LAYER_INDEX.sub(".{i}.", linear.module)).startswith(
-                    f"{block}."
-                )
-            }
-            - children
-        )
+        others = {
+            linear.module[len(block) + 1 :].split(".")[0]
+            for linear in report.linears
+            if linear.module.startswith(f"{block}.")
+        } - children
         if others:
-            lines.append(
-                f"  {block}: beside them {', '.join(others)} (the block's own code, "
-                "on vLLM's linears)"
-            )
-    return lines
+            beside.setdefault(LAYER_INDEX.sub(".{i}.", block), set()).update(others)
+    return [
+        f"  {block}: beside them {', '.join(sorted(others))} (the block's own code, "
+        "on vLLM's linears)"
+        for block, others in beside.items()
+    ]
 
 
 def render(report: FusionReport, style: Style) -> str:
