@@ -55,6 +55,22 @@ def test_matches_transformers(model_type):
 
 
 @pytest.mark.engine
+def test_compiled_matches_transformers():
+    """Under vLLM's torch.compile integration (the engine's default): AFMoE's
+    routers copy the bias their blocks hand in into vLLM's router on every step,
+    its experts run on vLLM's fused MoE, its first layer is dense."""
+    run = tiny.run_engine(
+        tiny.checkpoint("afmoe"),
+        probe=True,
+        llm_kwargs=dict(enforce_eager=False),
+        **tiny.IMPLS[E2E_IMPL],
+    )
+    assert all(worker["compiled"] for worker in run.probe)
+    gap = compare(reference("afmoe"), run.completions)
+    report(f"afmoe ({E2E_IMPL}, compiled) vs Transformers", run, gap)
+
+
+@pytest.mark.engine
 def test_tensor_parallel_matches_transformers():
     """TP=2: each rank holds every expert's share of the intermediate size (and
     Qwen2-MoE's shared expert is split as a dense MLP); equals Transformers and TP=1."""
