@@ -12,7 +12,9 @@ Three stages, each on the model's own Transformers code:
    `<start_of_image>`); vLLM replaces each with what the processor writes for an
    image of that size, which is asked of the processor itself, once per size. Only
    the model's image token there receives an embedding (Gemma 3's begin/end tokens
-   stay text).
+   stay text). A processor that cannot be built whole here (Qwen2-VL's video
+   processor needs torchvision) is built with its tokenizer and image processor
+   only (`images_only`).
 2. *Encoding* (`embed_multimodal`): the HF model's own `get_image_features` (tower
    and projector) on the engine's pixel inputs, one embedding row per image token.
 3. *Decoding*: the image embeddings are scattered over the image tokens' text
