@@ -122,16 +122,18 @@ def _data_url(image: tiny_multimodal.Image) -> str:
 
 
 @pytest.mark.engine
-def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_served_image_chat(name, tmp_path_factory):
     """The OpenAI server answers a chat request with an image (a `data:` URL) through
     the official client, with Transformers' tokens: the chat template writes the
-    placeholder, the server's processor expands it."""
+    placeholder, the server's processor expands it (Qwen2-VL's built without its
+    video processor, in the server's process too)."""
     openai = pytest.importorskip("openai")
     request = tiny_multimodal.REQUESTS["one image"]
     before, after = request.text.split("{image}")
-    want = llava_reference["one image"]
+    want = reference(name)["one image"]
     with tiny.serve(
-        llava,
+        checkpoint(name),
         backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
         log_dir=tmp_path_factory.mktemp("server"),
         extra_args=("--max-model-len", str(tiny_multimodal.MAX_MODEL_LEN)),
