@@ -64,12 +64,15 @@ def _compare(
 
 @pytest.mark.engine
 @pytest.mark.parametrize("request_name", REQUESTS)
-@pytest.mark.parametrize("name", ["llava", "emu3"])
+@pytest.mark.parametrize("name", ["llava", "emu3", "qwen2_vl", "qwen2_5_vl"])
 def test_equals_transformers(name, request_name):
     """LLaVA: CLIP tower and projector (Transformers') and a Llama decoder on vLLM
     attention. Emu3 (one of the models vLLM 0.32 sends to this backend by default):
-    a VQ-VAE turns the picture into tokens the decoder embeds. Same greedy tokens
-    and log-probabilities as Transformers on one image, two and none."""
+    a VQ-VAE turns the picture into tokens the decoder embeds. Qwen2-VL and
+    Qwen2.5-VL: each picture at its own resolution (the two of the second request
+    of different shapes, so their M-RoPE positions differ), the processor built
+    without its video processor, which needs torchvision. Same greedy tokens and
+    log-probabilities as Transformers on one image, two and none."""
     run = engine(name)
     got = run.completions[REQUESTS.index(request_name)]
     gap = _compare(reference(name)[request_name], got)
@@ -119,16 +122,18 @@ def _data_url(image: tiny_multimodal.Image) -> str:
 
 
 @pytest.mark.engine
-def test_llava_served_image_chat(llava, llava_reference, tmp_path_factory):
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_served_image_chat(name, tmp_path_factory):
     """The OpenAI server answers a chat request with an image (a `data:` URL) through
     the official client, with Transformers' tokens: the chat template writes the
-    placeholder, the server's processor expands it."""
+    placeholder, the server's processor expands it (Qwen2-VL's built without its
+    video processor, in the server's process too)."""
     openai = pytest.importorskip("openai")
     request = tiny_multimodal.REQUESTS["one image"]
     before, after = request.text.split("{image}")
-    want = llava_reference["one image"]
+    want = reference(name)["one image"]
     with tiny.serve(
-        llava,
+        checkpoint(name),
         backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
         log_dir=tmp_path_factory.mktemp("server"),
         extra_args=("--max-model-len", str(tiny_multimodal.MAX_MODEL_LEN)),
@@ -195,8 +200,8 @@ def test_gemma3_equals_transformers_but_for_bidirectional_image_attention():
 @pytest.mark.engine
 def test_qwen2_vl_text_equals_transformers():
     """Qwen2-VL's decoder with multimodal rotary positions (three position rows,
-    from `get_mrope_input_positions`) on a text-only engine (the processor needs
-    torchvision, so no images here): Transformers' tokens and log-probabilities."""
+    from `get_mrope_input_positions`) on a text-only engine, its vision tower not
+    built: Transformers' tokens and log-probabilities."""
     run = tiny_multimodal.run_engine(
         checkpoint("qwen2_vl"),
         "qwen2_vl",
@@ -208,6 +213,54 @@ def test_qwen2_vl_text_equals_transformers():
     print(f"\n[e2e] qwen2_vl, text only: {run.seconds:.1f} s, gap {gap:.2e}")
 
 
+# --- the processor without its video processor, no engine ---------------------------
+
+
+def _processing_info(path: Path):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    model_config = ModelConfig(
+        model=str(path), model_impl="transformers", dtype="float32"
+    )
+    return MULTIMODAL_REGISTRY.create_processor(model_config).info
+
+
+def test_processor_without_its_video_processor(tmp_path):
+    """Qwen2-VL's processor loads a video processor, which needs torchvision (not
+    installed here): the backend builds the same processor class with its
+    tokenizer and image processor only, which expands an image as Transformers
+    does. A processor that fails for another reason (an image processor that does
+    not exist) still fails, with its own error."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    path = checkpoint("qwen2_vl")
+    with pytest.raises(ImportError, match="Torchvision"):
+        AutoProcessor.from_pretrained(str(path))
+    processor = _processing_info(path).get_hf_processor()
+    assert type(processor).__name__ == "Qwen2VLProcessor"
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert getattr(processor, "video_processor", None) is None
+    request = tiny_multimodal.REQUESTS["two images"]
+    recipe = tiny_multimodal.RECIPES["qwen2_vl"]
+    ids = processor(
+        text=request.prompt(recipe), images=[i.pil() for i in request.images]
+    )["input_ids"][0]
+    assert ids == reference("qwen2_vl")["two images"].prompt_ids
+
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    config = broken / "processor_config.json"
+    config.write_text(
+        config.read_text().replace("Qwen2VLImageProcessor", "NoSuchImageProcessor")
+    )
+    with pytest.raises(RuntimeError, match="Failed to load the processor") as error:
+        _processing_info(broken).get_hf_processor()
+    assert "Unrecognized image processor" in str(error.value.__cause__)
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 
@@ -215,8 +268,7 @@ def test_mrope_positions_equal_the_hf_model(build_backend):
     """Qwen2-VL: the positions vLLM gets for a prompt with two images of different
     sizes (from the placeholders it found) equal those the HF model computes, and
     are not 1-D ones (text after an image moves on by the image's side, not its
-    token count). No engine: Qwen2-VL's processor needs torchvision (its video
-    processor), which does not match the engine's torch."""
+    token count). No engine (`test_equals_transformers` runs them on one)."""
     from vllm.multimodal.inputs import PlaceholderRange
 
     recipe = tiny_multimodal.RECIPES["qwen2_vl"]

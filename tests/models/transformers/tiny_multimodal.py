@@ -10,6 +10,9 @@ processor: its Transformers processor class, around the PIL image processor of t
 family (`...ImageProcessorPil`: the default "fast" ones need torchvision, which does
 not match the engine's torch), `tiny`'s word-level tokenizer with the model's image
 tokens added, and a chat template that writes each image as the model's placeholder.
+Qwen2-VL's and Qwen2.5-VL's processors are built and loaded without their video
+processor (Transformers' video processors need torchvision), which their saved
+processor config still names, as a real checkpoint's does.
 Images are small generated RGB pictures (seeded noise over a gradient).
 
 Command line (the engine runner uses it):
@@ -31,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 TEXT: dict[str, Any] = dict(
     hidden_size=128,
@@ -64,13 +67,28 @@ class Recipe:
     """Tokens the processor and config name, appended to `tiny.VOCAB` in this order."""
     placeholder: str
     """What the chat template writes for an image (the processor expands it)."""
-    has_processor: bool = True
-    """Whether its processor can be built here (Qwen2-VL's needs torchvision for its
-    video processor): without one, only text requests are checked."""
+    video_processor: dict[str, Any] | None = None
+    """The video processor its processor always loads and which needs torchvision
+    (Qwen2-VL's): written into the saved processor config as a real checkpoint
+    has it, while the processor is built and loaded here with its tokenizer and
+    image processor only (`without_video`)."""
     engine_prefix: str = ""
     """What the processor writes before any text (Emu3's processor its `<s>`), which
     a prompt given to vLLM (tokenized, not processed) spells itself."""
 
+
+QWEN_VL_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+QWEN_VL_PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
+QWEN_VL_PATCHES: dict[str, Any] = dict(
+    patch_size=8, merge_size=2, temporal_patch_size=2
+)
+"""Qwen2-VL's and Qwen2.5-VL's patching: 8 px patches, merged 2x2 into one token."""
+QWEN_VL_VIDEO = dict(QWEN_VL_PATCHES, video_processor_type="Qwen2VLVideoProcessor")
 
 RECIPES: dict[str, Recipe] = {
     # LLaVA: CLIP tower (class token dropped, `vision_feature_layer=-2`), a GELU
@@ -78,12 +96,20 @@ RECIPES: dict[str, Recipe] = {
     "llava": Recipe("llava", ("<image>",), "<image>"),
     # Qwen2-VL: its own vision transformer at the image's own resolution (patches of
     # 8 px merged 2x2), M-RoPE over (time, height, width) in the decoder. Its
-    # processor needs torchvision: text requests only.
+    # processor's video processor needs torchvision.
     "qwen2_vl": Recipe(
         "qwen2_vl",
-        ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-        "<|vision_start|> <|image_pad|> <|vision_end|>",
-        has_processor=False,
+        QWEN_VL_TOKENS,
+        QWEN_VL_PLACEHOLDER,
+        video_processor=QWEN_VL_VIDEO,
+    ),
+    # Qwen2.5-VL: Qwen2-VL's layout, a vision transformer with windowed attention
+    # (full attention in its last block) and a GLU MLP.
+    "qwen2_5_vl": Recipe(
+        "qwen2_5_vl",
+        QWEN_VL_TOKENS,
+        QWEN_VL_PLACEHOLDER,
+        video_processor=QWEN_VL_VIDEO,
     ),
     # Gemma 3: SigLIP tower, average-pooled to 4 soft tokens, a Gemma 3 decoder
     # whose image tokens attend to each other both ways in Transformers.
@@ -198,27 +224,44 @@ def config(recipe: Recipe):
             vision_feature_layer=-2,
             vision_feature_select_strategy="default",
         )
-    if recipe.model_type == "qwen2_vl":
-        return AutoConfig.for_model(
-            "qwen2_vl",
-            text_config=dict(
-                text,
-                model_type="qwen2_vl_text",
-                rope_parameters=dict(
-                    rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]
-                ),
-            ),
-            vision_config=dict(
+    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        patches = dict(
+            patch_size=QWEN_VL_PATCHES["patch_size"],
+            spatial_merge_size=QWEN_VL_PATCHES["merge_size"],
+            temporal_patch_size=QWEN_VL_PATCHES["temporal_patch_size"],
+            initializer_range=0.1,
+        )
+        if recipe.model_type == "qwen2_vl":
+            vision = dict(
+                patches,
                 depth=2,
                 embed_dim=64,
                 hidden_size=TEXT["hidden_size"],
                 num_heads=2,
                 mlp_ratio=2,
-                patch_size=8,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                initializer_range=0.1,
+            )
+        else:
+            # Windows of 32 px (2x2 merged tokens): a 48x32 picture spans two.
+            vision = dict(
+                patches,
+                depth=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=2,
+                out_hidden_size=TEXT["hidden_size"],
+                window_size=32,
+                fullatt_block_indexes=[1],
+            )
+        return AutoConfig.for_model(
+            recipe.model_type,
+            text_config=dict(
+                text,
+                model_type=f"{recipe.model_type}_text",
+                rope_parameters=dict(
+                    rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]
+                ),
             ),
+            vision_config=vision,
             image_token_id=tid("<|image_pad|>"),
             video_token_id=tid("<|video_pad|>"),
             vision_start_token_id=tid("<|vision_start|>"),
@@ -307,11 +350,45 @@ def make_tokenizer(recipe: Recipe):
     return tokenizer
 
 
+def without_video(cls):
+    """Processor class `cls` built and loaded without its video processor (which
+    needs torchvision here): Transformers takes a processor's sub-processors from
+    `get_attributes()`; the rest of the class is unchanged."""
+    attributes = [a for a in cls.get_attributes() if a != "video_processor"]
+    return type(
+        cls.__name__,
+        (cls,),
+        {"get_attributes": classmethod(lambda _: list(attributes))},
+    )
+
+
+def processor_class(recipe: Recipe):
+    """The Transformers processor class of `recipe`, as it can be built here."""
+    import transformers as t
+
+    cls = dict(
+        llava=t.LlavaProcessor,
+        gemma3=t.Gemma3Processor,
+        emu3=t.Emu3Processor,
+        qwen2_vl=t.Qwen2VLProcessor,
+        qwen2_5_vl=t.Qwen2_5_VLProcessor,
+    )[recipe.model_type]
+    return without_video(cls) if recipe.video_processor is not None else cls
+
+
 def make_processor(recipe: Recipe, tokenizer):
     """The family's Transformers processor around its PIL image processor."""
     import transformers as t
 
     template = tokenizer.chat_template
+    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        # Images of 32x32 to 64x64 px keep their size (multiples of 16 px).
+        images = t.Qwen2VLImageProcessorPil(
+            **QWEN_VL_PATCHES, min_pixels=32 * 32, max_pixels=64 * 64
+        )
+        return processor_class(recipe)(
+            image_processor=images, tokenizer=tokenizer, chat_template=template
+        )
     if recipe.model_type == "llava":
         images = t.CLIPImageProcessorPil(
             size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
@@ -344,8 +421,8 @@ def make_processor(recipe: Recipe, tokenizer):
 
 
 def requests(recipe: Recipe) -> dict[str, Request]:
-    """The `REQUESTS` the recipe is checked on."""
-    return {k: r for k, r in REQUESTS.items() if recipe.has_processor or not r.images}
+    """The `REQUESTS` the recipe is checked on (all of them)."""
+    return dict(REQUESTS)
 
 
 def fingerprint(name: str) -> str:
@@ -407,8 +484,8 @@ def greedy(
     requests: list[Request],
     causal_images: bool = False,
 ) -> list[Completion]:
-    """Transformers' greedy `generate` on each request (its processor's inputs; the
-    tokenizer's for a text request where there is no processor). `causal_images`
+    """Transformers' greedy `generate` on each request (its processor's inputs).
+    `causal_images`
     drops the token types with which Gemma 3 lets an image's tokens attend to each
     other both ways."""
     import torch
@@ -454,9 +531,7 @@ def build(name: str) -> Path:
     if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == want:
         return target
     tiny._quiet_transformers()
-    processor = make_tokenizer(recipe)
-    if recipe.has_processor:
-        processor = make_processor(recipe, processor)
+    processor = make_processor(recipe, make_tokenizer(recipe))
     checked = list(requests(recipe).values())
     best = (float("-inf"), None)
     for seed in range(tiny.SEED, tiny.SEED + MAX_SEED_TRIES):
@@ -477,6 +552,11 @@ def build(name: str) -> Path:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         processor.save_pretrained(staging)
+        if recipe.video_processor is not None:
+            saved = staging / "processor_config.json"
+            data = json.loads(saved.read_text())
+            data["video_processor"] = recipe.video_processor
+            saved.write_text(json.dumps(data, indent=2))
         (staging / "tiny.json").write_text(
             json.dumps(dict(fingerprint=want, seed=seed, min_margin=margin), indent=2)
         )
@@ -495,11 +575,12 @@ def reference(
     """Transformers' greedy generation in float32 (eager attention) from the saved
     checkpoint and processor (`causal_images`: see `greedy`)."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     tiny._quiet_transformers()
     recipe = RECIPES[name]
-    loader = AutoProcessor if recipe.has_processor else AutoTokenizer
+    # A processor that cannot load its video processor here is loaded without it.
+    loader = processor_class(recipe) if recipe.video_processor else AutoProcessor
     processor = loader.from_pretrained(str(path))
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"

@@ -12,7 +12,9 @@ Three stages, each on the model's own Transformers code:
    `<start_of_image>`); vLLM replaces each with what the processor writes for an
    image of that size, which is asked of the processor itself, once per size. Only
    the model's image token there receives an embedding (Gemma 3's begin/end tokens
-   stay text).
+   stay text). A processor that cannot be built whole here (Qwen2-VL's video
+   processor needs torchvision) is built with its tokenizer and image processor
+   only (`images_only`).
 2. *Encoding* (`embed_multimodal`): the HF model's own `get_image_features` (tower
    and projector) on the engine's pixel inputs, one embedding row per image token.
 3. *Decoding*: the image embeddings are scattered over the image tokens' text
@@ -34,7 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
-from transformers import BatchFeature, PreTrainedModel
+from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
+from transformers.models.auto.processing_auto import (
+    PROCESSOR_MAPPING,
+    processor_class_from_name,
+)
 
 from vllm.config.multimodal import MultiModalDummyOptions
 from vllm.logger import init_logger
@@ -62,6 +68,7 @@ from vllm.multimodal.processing import (
     PromptUpdate,
     PromptUpdateDetails,
 )
+from vllm.transformers_utils.processor import get_processor_cls_name_from_config
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -79,9 +86,88 @@ TEXT_FIELDS = frozenset(
 """What a processor returns about the text, which vLLM tokenizes itself."""
 
 
+IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
+"""The sub-processors an image request needs."""
+
+_IMAGES_ONLY: dict[tuple[str, str | None], type[ProcessorMixin]] = {}
+"""Checkpoints (path, revision) whose whole processor cannot be built here, with
+the processor class built for them instead (`images_only`)."""
+
+
+@functools.cache
+def images_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    """`cls` that takes and loads only a tokenizer and an image processor.
+
+    A processor's other sub-processors (video, audio) may need libraries an image
+    request never uses: Qwen2-VL's processor always loads a video processor, and
+    Transformers' video processors need torchvision. Transformers reads a
+    processor's sub-processors from `get_attributes()` (what `__init__` takes, what
+    `from_pretrained` loads), so narrowing it leaves the rest of the class as it is:
+    the same image processor, tokenizer and text expansion."""
+    attributes = [a for a in cls.get_attributes() if a in IMAGE_SUB_PROCESSORS]
+    # Same name and module: vLLM finds the processor's kwargs types by its module.
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__module__": cls.__module__,
+            "__doc__": f"{cls.__name__} with its image sub-processors only.",
+            "get_attributes": classmethod(lambda _: list(attributes)),
+        },
+    )
+
+
 class MultiModalProcessingInfo(BaseProcessingInfo):
     """What vLLM asks about the model's inputs, answered by its Transformers
     processor."""
+
+    def get_hf_processor(self, **kwargs: object) -> ProcessorMixin:
+        """The model's Transformers processor; where it cannot be built whole
+        here (a video processor without torchvision), the same class with only
+        its tokenizer and image processor, which is all an image request uses."""
+        model_config = self.ctx.model_config
+        key = (model_config.model, model_config.revision)
+        if key in _IMAGES_ONLY:
+            return self.ctx.get_hf_processor(_IMAGES_ONLY[key], **kwargs)
+        try:
+            return self.ctx.get_hf_processor(**kwargs)
+        except Exception as error:
+            cls = self._processor_class()
+            narrowed = None if cls is None else images_only(cls)
+            if narrowed is None or narrowed.get_attributes() == cls.get_attributes():
+                raise
+            try:
+                processor = self.ctx.get_hf_processor(narrowed, **kwargs)
+            except Exception:
+                raise error  # the whole processor's error says what is wrong
+            _IMAGES_ONLY[key] = narrowed
+            logger.warning(
+                "%s cannot be built whole here (%s: %s); images are processed with "
+                "its tokenizer and image processor only.",
+                cls.__name__,
+                type(error).__name__,
+                " ".join(str(error).split()),
+            )
+            return processor
+
+    def _processor_class(self) -> type[ProcessorMixin] | None:
+        """The processor class Transformers' `AutoProcessor` builds: the one the
+        checkpoint's processor files name, else the model type's."""
+        model_config = self.ctx.model_config
+        name = get_processor_cls_name_from_config(
+            model_config.model, revision=model_config.revision
+        )
+        config_type = type(self.get_hf_config())
+        if name is not None:
+            cls = processor_class_from_name(name)
+        elif config_type in PROCESSOR_MAPPING:
+            cls = PROCESSOR_MAPPING[config_type]
+        else:
+            return None
+        # A class whose library is missing comes as a placeholder, not a processor.
+        if isinstance(cls, type) and issubclass(cls, ProcessorMixin):
+            return cls
+        return None
 
     def get_supported_mm_limits(self) -> Mapping[str, int | None]:
         return {IMAGE: None}
