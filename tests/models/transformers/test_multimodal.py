@@ -351,3 +351,36 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
     for name in report.kept:
         tower = model.model.get_submodule(name)
         assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
+
+
+# --- an audio model, refused clearly, no engine -------------------------------------
+
+
+def test_audio_model_is_refused_before_profiling():
+    """VibeVoiceAsr (audio in, text out), which vLLM 0.32 sends to this backend by
+    default, on a tiny checkpoint with its real processor: this backend serves image
+    inputs only. The first thing vLLM's engine builds for a multimodal model, its
+    encoder budget, refuses it (on the supported modalities, before any profiling)
+    naming what the processor takes and what it lacks, not with an AttributeError
+    from profiling an image tower the model does not have. vLLM's stock backend
+    fails on its audio on the CPU engine too (docs/multimodal.md)."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    model_config = ModelConfig(
+        model=str(checkpoint("vibevoice_asr")),
+        model_impl="transformers",
+        dtype="float32",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
+    with pytest.raises(ValueError) as error:
+        MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+    message = str(error.value)
+    assert message.startswith(
+        "VibeVoiceAsrProcessor (inputs: audio) has no image processor and no "
+        "`image_token`: this backend serves image inputs only"
+    )
+    assert "VLLM_TRANSFORMERS_BACKEND=stock" in message
