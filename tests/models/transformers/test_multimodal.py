@@ -353,7 +353,29 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
         assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
 
 
-# --- an audio model, refused clearly, no engine -------------------------------------
+# --- an audio model: text only, its audio refused clearly ----------------------------
+
+
+@pytest.mark.engine
+def test_audio_model_serves_text_only():
+    """VibeVoiceAsr (audio in, text out) with `language_model_only=True`: its audio
+    encoders and projector are not built, and a text prompt equals Transformers'.
+    Its base model takes positions only in `**kwargs`, so it runs eager. (vLLM's
+    stock backend cannot load this checkpoint: docs/multimodal.md.)"""
+    run = tiny_multimodal.run_engine(
+        checkpoint("vibevoice_asr"),
+        "vibevoice_asr",
+        [tiny_multimodal.AUDIO_REQUESTS["text only"]],
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(language_model_only=True),
+    )
+    gap = _compare(reference("vibevoice_asr")["text only"], run.completions[0])
+    print(f"\n[e2e] vibevoice_asr, text only: {run.seconds:.1f} s, gap {gap:.2e}")
+    if tiny.e2e_impl() == "project":
+        assert (
+            "not built: acoustic_tokenizer_encoder, semantic_tokenizer_encoder, "
+            "multi_modal_projector" in run.report
+        )
 
 
 def test_audio_model_is_refused_before_profiling():
@@ -361,9 +383,10 @@ def test_audio_model_is_refused_before_profiling():
     default, on a tiny checkpoint with its real processor: this backend serves image
     inputs only. The first thing vLLM's engine builds for a multimodal model, its
     encoder budget, refuses it (on the supported modalities, before any profiling)
-    naming what the processor takes and what it lacks, not with an AttributeError
-    from profiling an image tower the model does not have. vLLM's stock backend
-    fails on its audio on the CPU engine too (docs/multimodal.md)."""
+    naming what the processor takes and what it lacks, and what serves its text
+    (a text-only engine), not with an AttributeError from profiling an image tower
+    the model does not have. vLLM's stock backend fails on its audio on the CPU
+    engine too (docs/multimodal.md)."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
     from vllm.multimodal.encoder_budget import MultiModalBudget
@@ -383,4 +406,5 @@ def test_audio_model_is_refused_before_profiling():
         "VibeVoiceAsrProcessor (inputs: audio) has no image processor and no "
         "`image_token`: this backend serves image inputs only"
     )
+    assert "`language_model_only=True`" in message
     assert "VLLM_TRANSFORMERS_BACKEND=stock" in message

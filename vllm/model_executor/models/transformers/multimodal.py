@@ -206,8 +206,9 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         ]
         raise ValueError(
             f"{type(processor).__name__} (inputs: {', '.join(inputs) or 'text'}) has "
-            f"no {' and no '.join(missing)}: this "
-            "backend serves image inputs only, not audio or video yet. vLLM's stock "
+            f"no {' and no '.join(missing)}: this backend serves image inputs only, "
+            "not audio or video yet. A text-only engine (`language_model_only=True`, "
+            "`--language-model-only`) serves the model's text prompts. vLLM's stock "
             "Transformers backend (VLLM_TRANSFORMERS_BACKEND=stock) takes audio and "
             "video too, but does not serve every such model: on vLLM's CPU engine "
             "it fails on VibeVoiceAsr's audio (docs/multimodal.md, 'Audio inputs')."
