@@ -360,14 +360,15 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
 def test_audio_model_serves_text_only():
     """VibeVoiceAsr (audio in, text out) with `language_model_only=True`: its audio
     encoders and projector are not built, and a text prompt equals Transformers'.
-    Its base model takes positions only in `**kwargs`, so it runs eager. (vLLM's
-    stock backend cannot load this checkpoint: docs/multimodal.md.)"""
+    Its base model takes positions only in `**kwargs`, which vLLM's compiler cannot
+    mark dynamic: with compilation on it runs eager, saying so. (vLLM's stock
+    backend cannot load this checkpoint: docs/multimodal.md.)"""
     run = tiny_multimodal.run_engine(
         checkpoint("vibevoice_asr"),
         "vibevoice_asr",
         [tiny_multimodal.AUDIO_REQUESTS["text only"]],
         backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
-        llm_kwargs=dict(language_model_only=True),
+        llm_kwargs=dict(language_model_only=True, enforce_eager=False),
     )
     gap = _compare(reference("vibevoice_asr")["text only"], run.completions[0])
     print(f"\n[e2e] vibevoice_asr, text only: {run.seconds:.1f} s, gap {gap:.2e}")
@@ -376,6 +377,7 @@ def test_audio_model_serves_text_only():
             "not built: acoustic_tokenizer_encoder, semantic_tokenizer_encoder, "
             "multi_modal_projector" in run.report
         )
+        assert "VibeVoiceAsrModel.forward takes `position_ids` only in" in run.log
 
 
 def test_audio_model_is_refused_before_profiling():
