@@ -8,8 +8,9 @@ Each checkpoint is a Transformers `...ForConditionalGeneration` with seeded rand
 weights (every 1-D parameter perturbed, the vision tower's too) and the model's real
 processor: its Transformers processor class, around the PIL image processor of the
 family (`...ImageProcessorPil`: the default "fast" ones need torchvision, which does
-not match the engine's torch), `tiny`'s word-level tokenizer with the model's image
-tokens added, and a chat template that writes each image as the model's placeholder.
+not match the engine's torch; VibeVoiceAsr's: its audio feature extractor), `tiny`'s
+word-level tokenizer with the model's image (or audio) tokens added, and a chat
+template that writes each image as the model's placeholder.
 Qwen2-VL's and Qwen2.5-VL's processors are built and loaded without their video
 processor (Transformers' video processors need torchvision), which their saved
 processor config still names, as a real checkpoint's does.
@@ -247,7 +248,7 @@ AUDIO_REQUESTS: dict[str, Request] = {
     ),
     "text only": REQUESTS["text only"],
 }
-"""Requests an audio recipe is checked on (clips of 4, 3 and 8 audio tokens)."""
+"""Requests an audio recipe is checked on (clips of 4, 3 and 6 audio tokens)."""
 
 
 def config(recipe: Recipe):
