@@ -378,6 +378,7 @@ def test_audio_model_serves_text_only():
             "multi_modal_projector" in run.report
         )
         assert "VibeVoiceAsrModel.forward takes `position_ids` only in" in run.log
+        assert "EncoderModel: encodes audio as Transformers does" in run.log
 
 
 def test_audio_model_is_refused_before_profiling():

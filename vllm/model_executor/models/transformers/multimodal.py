@@ -89,6 +89,9 @@ TEXT_FIELDS = frozenset(
 IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
 """The sub-processors an image request needs."""
 
+MODALITY_INPUTS = {"image": "images", "video": "videos", "audio": "audio"}
+"""vLLM's modality names, as the inputs they name are written in messages."""
+
 SUB_PROCESSOR_INPUTS = {
     "image_processor": "images",
     "video_processor": "videos",
@@ -411,9 +414,14 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
 
     def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
         language_model = self.model.get_decoder()
+        # What the HF model takes besides text (VibeVoiceAsr's encoders take audio).
+        modalities = getattr(self.model, "input_modalities", (IMAGE,))
+        inputs = " and ".join(
+            MODALITY_INPUTS.get(m, m) for m in modalities if m != "text"
+        )
         return {
             name: (
-                f"{type(child).__name__}: encodes images as Transformers does (its "
+                f"{type(child).__name__}: encodes {inputs} as Transformers does (its "
                 "config is not the text config, so its attention is not "
                 "dispatched to vLLM); not fused, replicated on every rank"
             )
