@@ -351,3 +351,63 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
     for name in report.kept:
         tower = model.model.get_submodule(name)
         assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
+
+
+# --- an audio model: text only, its audio refused clearly ----------------------------
+
+
+@pytest.mark.engine
+def test_audio_model_serves_text_only():
+    """VibeVoiceAsr (audio in, text out) with `language_model_only=True`: its audio
+    encoders and projector are not built, and a text prompt equals Transformers'.
+    Its base model takes positions only in `**kwargs`, which vLLM's compiler cannot
+    mark dynamic: with compilation on it runs eager, saying so. (vLLM's stock
+    backend cannot load this checkpoint: docs/multimodal.md.)"""
+    run = tiny_multimodal.run_engine(
+        checkpoint("vibevoice_asr"),
+        "vibevoice_asr",
+        [tiny_multimodal.AUDIO_REQUESTS["text only"]],
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(language_model_only=True, enforce_eager=False),
+    )
+    gap = _compare(reference("vibevoice_asr")["text only"], run.completions[0])
+    print(f"\n[e2e] vibevoice_asr, text only: {run.seconds:.1f} s, gap {gap:.2e}")
+    if tiny.e2e_impl() == "project":
+        assert (
+            "not built: acoustic_tokenizer_encoder, semantic_tokenizer_encoder, "
+            "multi_modal_projector" in run.report
+        )
+        assert "VibeVoiceAsrModel.forward takes `position_ids` only in" in run.log
+        assert "EncoderModel: encodes audio as Transformers does" in run.log
+
+
+def test_audio_model_is_refused_before_profiling():
+    """VibeVoiceAsr (audio in, text out), which vLLM 0.32 sends to this backend by
+    default, on a tiny checkpoint with its real processor: this backend serves image
+    inputs only. The first thing vLLM's engine builds for a multimodal model, its
+    encoder budget, refuses it (on the supported modalities, before any profiling)
+    naming what the processor takes and what it lacks, and what serves its text
+    (a text-only engine), not with an AttributeError from profiling an image tower
+    the model does not have. vLLM's stock backend fails on its audio on the CPU
+    engine too (docs/multimodal.md)."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    model_config = ModelConfig(
+        model=str(checkpoint("vibevoice_asr")),
+        model_impl="transformers",
+        dtype="float32",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
+    with pytest.raises(ValueError) as error:
+        MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+    message = str(error.value)
+    assert message.startswith(
+        "VibeVoiceAsrProcessor (inputs: audio) has no image processor and no "
+        "`image_token`: this backend serves image inputs only"
+    )
+    assert "`language_model_only=True`" in message
+    assert "VLLM_TRANSFORMERS_BACKEND=stock" in message

@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Tiny local vision-language checkpoints, Transformers' greedy reference on images,
-and a vLLM engine runner for prompts with images. Built on `tiny.py`'s vocabulary,
-cache and process handling.
+"""Tiny local vision-language (and audio-language) checkpoints, Transformers' greedy
+reference on images (or audio), and a vLLM engine runner for prompts with them. Built
+on `tiny.py`'s vocabulary, cache and process handling.
 
 Each checkpoint is a Transformers `...ForConditionalGeneration` with seeded random
 weights (every 1-D parameter perturbed, the vision tower's too) and the model's real
 processor: its Transformers processor class, around the PIL image processor of the
 family (`...ImageProcessorPil`: the default "fast" ones need torchvision, which does
-not match the engine's torch), `tiny`'s word-level tokenizer with the model's image
-tokens added, and a chat template that writes each image as the model's placeholder.
+not match the engine's torch; VibeVoiceAsr's: its audio feature extractor), `tiny`'s
+word-level tokenizer with the model's image (or audio) tokens added, and a chat
+template that writes each image as the model's placeholder.
 Qwen2-VL's and Qwen2.5-VL's processors are built and loaded without their video
 processor (Transformers' video processors need torchvision), which their saved
 processor config still names, as a real checkpoint's does.
-Images are small generated RGB pictures (seeded noise over a gradient).
+Images are small generated RGB pictures (seeded noise over a gradient); audio clips
+are generated waveforms (a seeded mix of sines), a few hundred ms long.
 
 Command line (the engine runner uses it):
     python tiny_multimodal.py engine SPEC.json OUT.json
@@ -75,6 +77,12 @@ class Recipe:
     engine_prefix: str = ""
     """What the processor writes before any text (Emu3's processor its `<s>`), which
     a prompt given to vLLM (tokenized, not processed) spells itself."""
+    modality: str = "image"
+    """What the placeholder stands for, written `{image}` or `{audio}` in requests."""
+    tokenizer_adds_bos: bool = True
+    """Whether the tokenizer writes `<s>` first. VibeVoiceAsr's (Qwen2's) does not;
+    its processor tokenizes without special tokens and vLLM with them, so a tokenizer
+    that added one would give the two different prompts."""
 
 
 QWEN_VL_TOKENS = (
@@ -135,6 +143,16 @@ RECIPES: dict[str, Recipe] = {
         "<image>",
         engine_prefix=f"{tiny.BOS} ",
     ),
+    # VibeVoiceAsr (audio in, text out): two convolutional audio encoders (acoustic,
+    # semantic) whose latents a projector sums, one audio token per 3200 samples at
+    # 24 kHz, a Qwen2 decoder; the processor expands `<|box_start|>`.
+    "vibevoice_asr": Recipe(
+        "vibevoice_asr",
+        ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>"),
+        "<|object_ref_start|> <|box_start|> <|object_ref_end|>",
+        modality="audio",
+        tokenizer_adds_bos=False,
+    ),
 }
 
 
@@ -174,16 +192,40 @@ class Image:
         return PILImage.fromarray(pixels.astype(np.uint8), "RGB")
 
 
+SAMPLE_RATE = 24000
+"""VibeVoiceAsr's feature extractor's rate, at which the clips are generated."""
+
+
+@dataclass(frozen=True)
+class Audio:
+    """A generated mono clip of `seconds` at `SAMPLE_RATE`, from `seed`: three sines
+    of seeded pitch and weight, and a little noise."""
+
+    seconds: float
+    seed: int
+
+    def waveform(self):
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        t = np.arange(int(self.seconds * SAMPLE_RATE)) / SAMPLE_RATE
+        pitches, weights = rng.uniform(100, 2000, 3), rng.uniform(0.1, 0.5, 3)
+        wave = sum(w * np.sin(2 * np.pi * f * t) for f, w in zip(pitches, weights))
+        wave = wave + 0.01 * rng.standard_normal(len(t))
+        return wave.astype(np.float32)
+
+
 @dataclass(frozen=True)
 class Request:
     """A prompt in the tiny vocabulary, with the recipe's placeholder written `{image}`
-    once per image, and its images."""
+    (or `{audio}`) once per item, and its images (or audio clips)."""
 
     text: str
     images: tuple[Image, ...] = ()
+    audios: tuple[Audio, ...] = ()
 
     def prompt(self, recipe: Recipe) -> str:
-        return self.text.replace("{image}", recipe.placeholder)
+        return self.text.replace(f"{{{recipe.modality}}}", recipe.placeholder)
 
 
 RED, WIDE, TALL = Image(32, 32, 1), Image(48, 32, 2), Image(32, 48, 3)
@@ -196,6 +238,17 @@ REQUESTS: dict[str, Request] = {
 }
 """Requests every family is checked on (Qwen2-VL sees the wide and tall pictures at
 their own resolution; the fixed-size towers see them resized)."""
+
+AUDIO_REQUESTS: dict[str, Request] = {
+    "one audio": Request(
+        "the small cat sees {audio} near the river", audios=(Audio(0.5, 1),)
+    ),
+    "two audios": Request(
+        "{audio} one two three {audio} the dog", audios=(Audio(0.3, 2), Audio(0.8, 3))
+    ),
+    "text only": REQUESTS["text only"],
+}
+"""Requests an audio recipe is checked on (clips of 4, 3 and 6 audio tokens)."""
 
 
 def config(recipe: Recipe):
@@ -313,6 +366,22 @@ def config(recipe: Recipe):
                 num_attention_heads=1,
             ),
         )
+    if recipe.model_type == "vibevoice_asr":
+        # Small encoders, every stage kept (hop length 3200); `vae_std` 0: Transformers'
+        # `get_audio_features` adds `vae_std` x normal noise to the acoustic latents,
+        # which would make two runs differ.
+        encoder = dict(hidden_size=16, num_filters=4, depths=[1] * 7, vae_std=0.0)
+        return AutoConfig.for_model(
+            "vibevoice_asr",
+            acoustic_tokenizer_encoder_config=encoder,
+            semantic_tokenizer_encoder_config=dict(encoder, hidden_size=8),
+            text_config=dict(text, model_type="qwen2"),
+            audio_token_id=tid("<|box_start|>"),
+            audio_bos_token_id=tid("<|object_ref_start|>"),
+            audio_eos_token_id=tid("<|object_ref_end|>"),
+            # At most 32 audio tokens per clip (its `max_position_embeddings`).
+            acoustic_tokenizer_chunk_size=3200 * 32,
+        )
     raise KeyError(recipe.model_type)
 
 
@@ -335,7 +404,13 @@ TOKENIZER_NAMES: dict[str, dict[str, str]] = {
 def make_tokenizer(recipe: Recipe):
     """`tiny`'s word-level tokenizer with the recipe's image tokens as special tokens
     (ids in `token_id` order), named as the model's processor looks them up."""
+    from tokenizers import processors
+
     tokenizer = tiny.make_tokenizer()
+    if not recipe.tokenizer_adds_bos:
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A", pair="$A $B"
+        )
     tokenizer.add_special_tokens(
         {"additional_special_tokens": list(recipe.image_tokens)}
     )
@@ -372,6 +447,7 @@ def processor_class(recipe: Recipe):
         emu3=t.Emu3Processor,
         qwen2_vl=t.Qwen2VLProcessor,
         qwen2_5_vl=t.Qwen2_5_VLProcessor,
+        vibevoice_asr=t.VibeVoiceAsrProcessor,
     )[recipe.model_type]
     return without_video(cls) if recipe.video_processor is not None else cls
 
@@ -417,12 +493,18 @@ def make_processor(recipe: Recipe, tokenizer):
         return t.Emu3Processor(
             image_processor=images, tokenizer=tokenizer, chat_template=template
         )
+    if recipe.model_type == "vibevoice_asr":
+        # The feature extractor's defaults: 24 kHz, padded to its hop of 3200 samples.
+        audio = t.VibeVoiceAcousticTokenizerFeatureExtractor()
+        return t.VibeVoiceAsrProcessor(
+            feature_extractor=audio, tokenizer=tokenizer, chat_template=template
+        )
     raise KeyError(recipe.model_type)
 
 
 def requests(recipe: Recipe) -> dict[str, Request]:
-    """The `REQUESTS` the recipe is checked on (all of them)."""
-    return dict(REQUESTS)
+    """The requests the recipe is checked on: all of its modality's."""
+    return dict(AUDIO_REQUESTS if recipe.modality == "audio" else REQUESTS)
 
 
 def fingerprint(name: str) -> str:
@@ -442,12 +524,12 @@ def fingerprint(name: str) -> str:
 
 def _random_model(recipe: Recipe, seed: int):
     import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForMultimodalLM, GenerationConfig
 
     model_config = config(recipe)
     model_config.dtype = torch.float32
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(
+    model = AutoModelForMultimodalLM.from_config(
         model_config, dtype=torch.float32, attn_implementation="eager"
     )
     generator = torch.Generator().manual_seed(seed + 1)
@@ -492,8 +574,12 @@ def greedy(
 
     completions = []
     for request in requests:
-        images = {"images": [i.pil() for i in request.images]} if request.images else {}
-        inputs = processor(text=request.prompt(recipe), return_tensors="pt", **images)
+        media: dict[str, Any] = {}
+        if request.images:
+            media["images"] = [i.pil() for i in request.images]
+        if request.audios:
+            media["audio"] = [a.waveform() for a in request.audios]
+        inputs = processor(text=request.prompt(recipe), return_tensors="pt", **media)
         if causal_images:
             inputs.pop("token_type_ids", None)
         with torch.no_grad():
@@ -551,7 +637,9 @@ def build(name: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".mm-{name}-", dir=tiny.CACHE))
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        processor.save_pretrained(staging)
+        # A fresh processor: calling one can leave its tokenizer's padding on (the
+        # VibeVoiceAsr processor pads), which would be saved and change later calls.
+        make_processor(recipe, make_tokenizer(recipe)).save_pretrained(staging)
         if recipe.video_processor is not None:
             saved = staging / "processor_config.json"
             data = json.loads(saved.read_text())
@@ -575,14 +663,14 @@ def reference(
     """Transformers' greedy generation in float32 (eager attention) from the saved
     checkpoint and processor (`causal_images`: see `greedy`)."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForMultimodalLM, AutoProcessor
 
     tiny._quiet_transformers()
     recipe = RECIPES[name]
     # A processor that cannot load its video processor here is loaded without it.
     loader = processor_class(recipe) if recipe.video_processor else AutoProcessor
     processor = loader.from_pretrained(str(path))
-    model = AutoModelForImageTextToText.from_pretrained(
+    model = AutoModelForMultimodalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
     ).eval()
     completions = greedy(model, processor, recipe, requests, causal_images)
@@ -614,7 +702,8 @@ def run_engine(
     timeout: float = 600,
 ) -> MultiModalRun:
     """Start `vllm.LLM` on the checkpoint in a subprocess and generate greedily for
-    each request (its text through the engine's tokenizer, its images as PIL)."""
+    each request (its text through the engine's tokenizer, its images as PIL, its
+    audio clips as (waveform, sample rate))."""
     recipe = RECIPES[name]
     spec = dict(
         model=str(path),
@@ -622,6 +711,7 @@ def run_engine(
             dict(
                 prompt=recipe.engine_prefix + r.prompt(recipe),
                 images=[asdict(i) for i in r.images],
+                audios=[asdict(a) for a in r.audios],
             )
             for r in requests
         ],
@@ -667,10 +757,15 @@ def _engine_main(spec_file: str, out_file: str) -> None:
     prompts = []
     for request in spec["requests"]:
         prompt: dict[str, Any] = dict(prompt=request["prompt"])
+        media: dict[str, Any] = {}
         if request["images"]:
-            prompt["multi_modal_data"] = {
-                "image": [Image(**i).pil() for i in request["images"]]
-            }
+            media["image"] = [Image(**i).pil() for i in request["images"]]
+        if request["audios"]:
+            media["audio"] = [
+                (Audio(**a).waveform(), SAMPLE_RATE) for a in request["audios"]
+            ]
+        if media:
+            prompt["multi_modal_data"] = media
         prompts.append(prompt)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     completions = []

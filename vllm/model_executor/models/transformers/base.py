@@ -168,6 +168,15 @@ def _no_dynamic_rope(vllm_config: "VllmConfig") -> bool:
     return all(p.get("rope_type") != "dynamic" for p in parameters)
 
 
+def _eager(name: str, vllm_config: "VllmConfig") -> bool:
+    logger.warning_once(
+        "%s.forward takes `position_ids` only in `**kwargs`, which vLLM's compiler "
+        "cannot mark dynamic: it runs eager.",
+        name,
+    )
+    return False
+
+
 @functools.cache
 def source_digest() -> str:
     """A digest of this subpackage's source: what the fusers rewrite is not in the
@@ -273,11 +282,19 @@ def _compilable(cls: type[nn.Module]) -> type[nn.Module]:
     # embeddings, positions [1, tokens] (or [3, 1, tokens] for M-RoPE), and, for
     # BERT-style models, token types [1, tokens].
     dims = {"input_ids": 1, "inputs_embeds": 1, "position_ids": -1}
-    if "token_type_ids" in inspect.signature(cls.forward).parameters:
+    named = inspect.signature(cls.forward).parameters
+    if "token_type_ids" in named:
         dims["token_type_ids"] = 1
-    compilable = support_torch_compile(
-        dynamic_arg_dims=dims, enable_if=_no_dynamic_rope
-    )(subclass)
+    enable_if = _no_dynamic_rope
+    if "position_ids" not in named:
+        # VibeVoiceAsr's base model passes positions on in `**kwargs`, where vLLM's
+        # compiler cannot mark them dynamic: a graph would be specialised to one
+        # length, so that model runs eager.
+        del dims["position_ids"]
+        enable_if = functools.partial(_eager, cls.__name__)
+    compilable = support_torch_compile(dynamic_arg_dims=dims, enable_if=enable_if)(
+        subclass
+    )
     globals()[name] = compilable
     return compilable
 

@@ -89,6 +89,17 @@ TEXT_FIELDS = frozenset(
 IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
 """The sub-processors an image request needs."""
 
+MODALITY_INPUTS = {"image": "images", "video": "videos", "audio": "audio"}
+"""vLLM's modality names, as the inputs they name are written in messages."""
+
+SUB_PROCESSOR_INPUTS = {
+    "image_processor": "images",
+    "video_processor": "videos",
+    "feature_extractor": "audio",
+    "audio_processor": "audio",
+}
+"""What each sub-processor of a Transformers processor takes (named in a refusal)."""
+
 _IMAGES_ONLY: dict[tuple[str, str | None], type[ProcessorMixin]] = {}
 """Checkpoints (path, revision) whose whole processor cannot be built here, with
 the processor class built for them instead (`images_only`)."""
@@ -173,18 +184,38 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         return {IMAGE: None}
 
     def placeholder(self) -> str:
-        """The token a prompt holds for an image, which the processor expands."""
+        """The token a prompt holds for an image, which the processor expands.
+        A processor without an image processor and an `image_token` (an audio
+        model's) is refused: this backend serves image inputs only."""
         processor = self.get_hf_processor()
         token = getattr(processor, "image_token", None)
-        if not isinstance(token, str):
-            raise ValueError(
-                f"{type(processor).__name__} names no `image_token`: this backend "
-                "serves image inputs only (not audio or video yet), and cannot tell "
-                "which token of a prompt stands for an image. Set "
-                "VLLM_TRANSFORMERS_BACKEND=stock to serve this model with vLLM's "
-                "stock Transformers backend instead."
+        has_images = getattr(processor, "image_processor", None) is not None
+        if isinstance(token, str) and has_images:
+            return token
+        inputs = sorted(
+            {
+                SUB_PROCESSOR_INPUTS[name]
+                for name in processor.get_attributes()
+                if name in SUB_PROCESSOR_INPUTS
+            }
+        )
+        missing = [
+            what
+            for what, present in (
+                ("image processor", has_images),
+                ("`image_token`", isinstance(token, str)),
             )
-        return token
+            if not present
+        ]
+        raise ValueError(
+            f"{type(processor).__name__} (inputs: {', '.join(inputs) or 'text'}) has "
+            f"no {' and no '.join(missing)}: this backend serves image inputs only, "
+            "not audio or video yet. A text-only engine (`language_model_only=True`, "
+            "`--language-model-only`) serves the model's text prompts. vLLM's stock "
+            "Transformers backend (VLLM_TRANSFORMERS_BACKEND=stock) takes audio and "
+            "video too, but does not serve every such model: on vLLM's CPU engine "
+            "it fails on VibeVoiceAsr's audio (docs/multimodal.md, 'Audio inputs')."
+        )
 
     def image_token_id(self) -> int:
         """The token that receives an image embedding: the model config's, else the
@@ -269,6 +300,9 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
     def get_mm_max_tokens_per_item(
         self, seq_len: int, mm_counts: Mapping[str, int]
     ) -> Mapping[str, int]:
+        # The first question of vLLM's engine that needs the processor: one that
+        # takes no images is refused here, with the reason.
+        self.placeholder()
         size = self.image_size_with_most_features()
         return {IMAGE: len(self.expansion(size.width, size.height))}
 
@@ -380,9 +414,14 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
 
     def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
         language_model = self.model.get_decoder()
+        # What the HF model takes besides text (VibeVoiceAsr's encoders take audio).
+        modalities = getattr(self.model, "input_modalities", (IMAGE,))
+        inputs = " and ".join(
+            MODALITY_INPUTS.get(m, m) for m in modalities if m != "text"
+        )
         return {
             name: (
-                f"{type(child).__name__}: encodes images as Transformers does (its "
+                f"{type(child).__name__}: encodes {inputs} as Transformers does (its "
                 "config is not the text config, so its attention is not "
                 "dispatched to vLLM); not fused, replicated on every rank"
             )
