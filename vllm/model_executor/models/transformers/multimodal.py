@@ -213,8 +213,8 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
             "not audio or video yet. A text-only engine (`language_model_only=True`, "
             "`--language-model-only`) serves the model's text prompts. vLLM's stock "
             "Transformers backend (VLLM_TRANSFORMERS_BACKEND=stock) takes audio and "
-            "video too, but does not serve every such model: on vLLM's CPU engine "
-            "it fails on VibeVoiceAsr's audio (docs/multimodal.md, 'Audio inputs')."
+            "video too, though not for every such model (docs/multimodal.md, "
+            "'Audio inputs')."
         )
 
     def image_token_id(self) -> int:
