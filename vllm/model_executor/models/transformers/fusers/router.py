@@ -161,7 +161,9 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
     scoring = scores.pop()
 
     num_experts = module.get_parameter(projection.weight).shape[0]
+
     def added(value: object) -> str | None:
+        """The own tensor or handed-in input `value` reads, if either."""
         if fx_utils.uncast(value) in handed:
             return str(fx_utils.uncast(value).target)
         return _attribute(value)
