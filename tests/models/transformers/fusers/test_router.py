@@ -192,6 +192,10 @@ def test_router_is_fused_for_the_input_ranks_it_was_proven_on(fuse):
         GptOssTopKRouter(config("gpt_oss", num_local_experts=8)), RouterFuser
     )
     assert gpt_oss.ranks == (2,)
+    detail = gpt_oss.report_detail(
+        "mlp.router", GptOssTopKRouter(config("gpt_oss", num_local_experts=8))
+    )
+    assert "(on 2-D inputs; on 3-D ones on a float64 probe it chooses other" in detail
     build, _ = ROUTERS["afmoe-sigmoid-corrected-handed-in-scaled"]
     assert get_fuser(build(), RouterFuser).ranks == (3,)
     assert get_fuser(qwen3(True), RouterFuser).ranks == (2, 3)
@@ -199,6 +203,8 @@ def test_router_is_fused_for_the_input_ranks_it_was_proven_on(fuse):
     fused, _ = fuse(randomized(router, torch.float32))
     with pytest.raises(ValueError, match="2 dimensions, and got 3"):
         fused(torch.randn(1, 4, HIDDEN))
+    with pytest.raises(TypeError, match="takes the hidden states, and got 1 more"):
+        fused(torch.randn(4, HIDDEN), torch.zeros(8))
 
 
 def test_routing_features_each_change_the_choice():

@@ -150,9 +150,15 @@ class VllmRouter(nn.Module):
                 f"for hidden states of {' or '.join(map(str, self.ranks))} "
                 f"dimensions, and got {hidden_states.dim()}"
             )
-        if self.routing.correction_handed_in:
-            (correction,) = (*handed, *by_name.values())
-            self.e_score_correction_bias.copy_(correction)
+        inputs = (*handed, *by_name.values())
+        if len(inputs) != self.routing.correction_handed_in:
+            raise TypeError(
+                f"{self.prefix}: the router takes the hidden states"
+                f"{' and its correction bias' * self.routing.correction_handed_in}, "
+                f"and got {len(inputs)} more inputs"
+            )
+        if inputs:
+            self.e_score_correction_bias.copy_(inputs[0])
         if self.routing.flattens:
             hidden_states = hidden_states.reshape(-1, self.hidden_size)
         if self.routing.float32_logits:

@@ -282,6 +282,8 @@ class RouterFuser(RewriteFuser):
     ranks: tuple[int, ...] = ()
     """The ranks of hidden states the routing was proven on (gpt-oss's router
     takes its softmax over dimension 1, which is right on `[tokens, width]` only)."""
+    other_ranks: str | None = None
+    """Why the routing is not served on the other ranks, where it is not on all."""
     verdicts: dict = field(default_factory=dict, repr=False, compare=False)
     """Probe verdicts per instance signature (class attributes and tensor shapes)."""
 
@@ -309,6 +311,7 @@ class RouterFuser(RewriteFuser):
         fuser.ranks, reason = fuser._verdict(module)
         if not fuser.ranks:
             return cls.decline(module, reason or "no probe ran")
+        fuser.other_ranks = reason
         return fuser
 
     def update_forward(self, module: nn.Module) -> None:
@@ -469,7 +472,13 @@ class RouterFuser(RewriteFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         assert self.routing is not None
-        only = "" if self.ranks == _RANKS else f" (on {_ranks(self.ranks)} inputs)"
+        only = (
+            ""
+            if self.ranks == _RANKS
+            else f" (on {_ranks(self.ranks)} inputs; on "
+            f"{_ranks(tuple(r for r in _RANKS if r not in self.ranks))} ones "
+            f"{self.other_ranks})"
+        )
         return (
             f"{name} ({type(module).__name__}): router -> vLLM's router: "
             f"{self.routing.describe()}{only}"
