@@ -40,16 +40,24 @@ def reference(name: str) -> dict[str, tiny_multimodal.Completion]:
     return dict(zip(requests, completions))
 
 
+COMPILED = "qwen2_vl"
+"""Its shared engine runs under vLLM's torch.compile integration (the engine's
+default); the other engine cases run eager, to save time."""
+
+
 @functools.cache
 def engine(name: str) -> tiny_multimodal.MultiModalRun:
     """One engine start per model, on all its requests, shared by the tests."""
     requests = tiny_multimodal.requests(tiny_multimodal.RECIPES[name])
-    return tiny_multimodal.run_engine(
+    run = tiny_multimodal.run_engine(
         checkpoint(name),
         name,
         list(requests.values()),
         backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(enforce_eager=False) if name == COMPILED else None,
     )
+    assert run.compiled == (name == COMPILED)
+    return run
 
 
 def _compare(
@@ -71,8 +79,9 @@ def test_equals_transformers(name, request_name):
     a VQ-VAE turns the picture into tokens the decoder embeds. Qwen2-VL and
     Qwen2.5-VL: each picture at its own resolution (the two of the second request
     of different shapes, so their M-RoPE positions differ), the processor built
-    without its video processor, which needs torchvision. Same greedy tokens and
-    log-probabilities as Transformers on one image, two and none."""
+    without its video processor, which needs torchvision; Qwen2-VL compiled
+    (`COMPILED`). Same greedy tokens and log-probabilities as Transformers on one
+    image, two and none."""
     run = engine(name)
     got = run.completions[REQUESTS.index(request_name)]
     gap = _compare(reference(name)[request_name], got)

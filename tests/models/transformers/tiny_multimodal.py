@@ -690,6 +690,8 @@ class MultiModalRun:
     log: str
     report: str | None = None
     """The fusion report's text, read inside the worker."""
+    compiled: bool = False
+    """Whether vLLM's torch.compile wrapper compiled a module of the model."""
 
 
 def run_engine(
@@ -726,7 +728,11 @@ def run_engine(
     env.pop("PYTEST_CURRENT_TEST", None)
     out, seconds, log = tiny.run_engine_script(__file__, spec, env, timeout)
     return MultiModalRun(
-        [Completion(**c) for c in out["completions"]], seconds, log, out["report"]
+        [Completion(**c) for c in out["completions"]],
+        seconds,
+        log,
+        out["report"],
+        out["compiled"],
     )
 
 
@@ -734,6 +740,12 @@ def _report(model) -> str | None:
     """The backend's one-line fusion report, inside the worker (none for stock)."""
     report = getattr(model, "report", None)
     return report.short() if report is not None else None
+
+
+def _compiled(model) -> bool:
+    """Inside the worker: whether vLLM's torch.compile wrapper compiled a module of
+    the model (it marks the module it compiled)."""
+    return any(getattr(module, "compiled", False) is True for module in model.modules())
 
 
 def _engine_main(spec_file: str, out_file: str) -> None:
@@ -782,8 +794,12 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         )
     import tiny_multimodal  # importable in every engine process (PYTHONPATH)
 
-    (report,) = llm.apply_model(tiny_multimodal._report)
-    Path(out_file).write_text(json.dumps(dict(completions=completions, report=report)))
+    # One answer per worker (tensor parallel): the report is the first rank's.
+    report = llm.apply_model(tiny_multimodal._report)[0]
+    compiled = all(llm.apply_model(tiny_multimodal._compiled))
+    Path(out_file).write_text(
+        json.dumps(dict(completions=completions, report=report, compiled=compiled))
+    )
     del llm
 
 
