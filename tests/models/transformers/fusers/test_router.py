@@ -13,6 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import (
+    Ernie4_5_MoeTopKRouter,
+)
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
@@ -106,6 +109,16 @@ ROUTERS = {
         ),
         dict(scoring="sigmoid", correction_handed_in=True, renormalize=True,
              scale=1.5, float32_logits=True),
+    ),
+    # The correction is added by a child module holding it as [1, experts]
+    # (`moe_statics`); a softmax over dimension 1 (2-D inputs only), renormalised
+    # with a clamp that never bites.
+    "ernie-4.5-softmax-corrected-by-a-child": (
+        lambda: Ernie4_5_MoeTopKRouter(
+            config("ernie4_5_moe", num_experts=16, num_experts_per_tok=4)
+        ),
+        dict(scoring="softmax", correction_bias="moe_statics.e_score_correction_bias",
+             correction_handed_in=False, renormalize=True, float32_logits=True),
     ),
 }
 
@@ -362,6 +375,36 @@ class TwoProjections(Router):
         return logits, weights, ids
 
 
+class Statics(nn.Module):
+    """Holds a correction as Ernie 4.5's `moe_statics` does, `[1, experts]`."""
+
+    def __init__(self, rows: int = 1):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(rows, 8))
+
+    def forward(self, scores):
+        return scores + self.bias.squeeze()
+
+
+class ScalingStatics(Statics):
+    def forward(self, scores):
+        return 2 * scores + self.bias.squeeze()
+
+
+class CorrectedByAChild(Router):
+    """Chooses by `statics(scores)`, weighs by the scores (Ernie 4.5's routing)."""
+
+    def __init__(self, statics: nn.Module):
+        super().__init__()
+        self.statics = statics
+
+    def forward(self, hidden_states):
+        logits = F.linear(hidden_states, self.weight)
+        scores = F.softmax(logits, dim=-1)
+        _, ids = torch.topk(self.statics(scores), self.top_k, dim=-1)
+        return logits, self.after(scores.gather(-1, ids), ids), ids
+
+
 @pytest.mark.parametrize(
     ("router", "reason"),
     [
@@ -374,8 +417,15 @@ class TwoProjections(Router):
         (TwoProjections(), "from 2 projections, not one"),
         (TemperatureHandedIn(), "reads inputs other than the hidden states"),
         (HandedInBiasWeighs(), "chooses other experts or weights"),
+        # A child that does more than add its tensor is no correction.
+        (CorrectedByAChild(ScalingStatics()), "chooses other experts or weights"),
+        (CorrectedByAChild(Statics(rows=2)), "is not one value per expert (8)"),
     ],
-    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+    ids=lambda v: (
+        "-".join(type(m).__name__ for m in v.modules())
+        if isinstance(v, nn.Module)
+        else ""
+    ),
 )
 def test_near_miss_router_is_declined_with_the_reason(router, reason, declined):
     assert get_fuser(router, RouterFuser) is None
@@ -390,6 +440,24 @@ def test_module_returning_no_top_k_ids_is_not_a_router(declined):
 
     assert get_fuser(Logits(), RouterFuser) is None
     assert declined(RouterFuser) == []
+
+
+def test_correction_added_by_a_child_is_read_through_it(fuse):
+    """The near misses' child that only adds its `[1, experts]` tensor is a
+    correction: fused, the tensor loaded into vLLM's router as one per expert."""
+    router = randomized(CorrectedByAChild(Statics()), torch.float64)
+    fuser = get_fuser(router, RouterFuser)
+    assert fuser.routing.correction_bias == "statics.bias"
+    assert fuser.renamed_weights("gate") == {
+        "gate.weight": "gate.vllm_router.gate.weight",
+        "gate.statics.bias": "gate.vllm_router.e_score_correction_bias",
+    }
+    reference = copy.deepcopy(router)
+    fused, _ = fuse(router, torch.float64)
+    x = torch.randn(32, HIDDEN, generator=torch.Generator().manual_seed(2),
+                    dtype=torch.float64)
+    with torch.no_grad():
+        assert_same_routing(reference(x), fused(x), fuser.routing.outputs)
 
 
 def test_the_plain_router_is_fused():

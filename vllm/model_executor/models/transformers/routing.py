@@ -136,6 +136,7 @@ class VllmRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(num_experts, dtype=torch.float32), requires_grad=False
             )
+            self.e_score_correction_bias.weight_loader = load_per_expert
             bias = self.e_score_correction_bias
         self.router = create_fused_moe_router(
             **routing.router_arguments(num_experts), e_score_correction_bias=bias
@@ -169,6 +170,17 @@ class VllmRouter(nn.Module):
             hidden_states.reshape(-1, self.hidden_size), flat
         )
         return route_outputs(self.routing, logits, weights, ids)
+
+
+def load_per_expert(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Load one value per expert however many leading dimensions of one the
+    checkpoint stores it with (Ernie 4.5's correction bias is `[1, experts]`)."""
+    if loaded.shape[-1:] != param.shape or loaded.numel() != param.numel():
+        raise ValueError(
+            f"a tensor of shape {list(loaded.shape)} does not hold one value for "
+            f"each of {param.numel()} experts"
+        )
+    param.data.copy_(loaded.reshape(param.shape))
 
 
 def route_outputs(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers import fx_utils
+from vllm.model_executor.models.transformers import fx_utils, tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
     RewriteFuser,
@@ -62,6 +62,38 @@ def _attribute(node: object) -> str | None:
     if isinstance(node, fx.Node) and node.op == "get_attr":
         return str(node.target)
     return None
+
+
+_RESHAPES = frozenset({"squeeze", "view", "reshape", "flatten"})
+
+
+def _added_by_child(node: fx.Node, module: nn.Module) -> str | None:
+    """The tensor a child of `module` adds to its one input, where that sum is all
+    the child computes (Ernie 4.5's `moe_statics`: `x + bias.squeeze()`), by its
+    name in `module`; `None` for any other node."""
+    if (
+        node.op != "call_module"
+        or "." in str(node.target)
+        or fx_utils.is_linear(node, module)
+    ):
+        return None
+    child = module.get_submodule(str(node.target))
+    if any(True for _ in child.children()):
+        return None
+    traced = tracing.trace(child)
+    output = fx_utils.returned(traced.graph)
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    if not traced.complete or len(inputs) != 1 or fx_utils.op_name(output) != "add":
+        return None
+    if len(output.args) != 2 or output.kwargs:
+        return None
+    first, second = output.args
+    added = second if first is inputs[0] else first if second is inputs[0] else None
+    while fx_utils.op_name(added) in _RESHAPES:
+        added = added.args[0]
+    if not isinstance(added, fx.Node) or added.op != "get_attr":
+        return None
+    return f"{node.target}.{added.target}"
 
 
 def _is_float32_cast(node: object) -> bool:
@@ -174,9 +206,18 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         if fx_utils.op_name(node) in ("add", "iadd")
         for name in map(added, node.args[:2])
         if name is not None and name not in (projection.weight, projection.bias)
-    ]
+    ] + [name for node in before if (name := _added_by_child(node, module))]
     if len(correction) > 1:
         return "it adds more than one tensor of its own to the scores"
+    if correction and not handed:
+        held = dict(itertools.chain(module.named_parameters(), module.named_buffers()))[
+            correction[0]
+        ]
+        if held.numel() != num_experts or held.shape[-1] != num_experts:
+            return (
+                f"its correction {correction[0]} of shape {list(held.shape)} is not "
+                f"one value per expert ({num_experts})"
+            )
     handed_in = bool(handed) and correction == [str(handed[0].target)]
     if handed and not handed_in:
         return "its routing reads inputs other than the hidden states"
@@ -289,12 +330,15 @@ class RouterFuser(RewriteFuser):
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
-        """A weight of its own, or a single child that is a linear."""
+        """A single child that is a linear, or a weight of its own (and children
+        without children of theirs, which may add a tensor to the scores)."""
         children = list(module.children())
-        if len(children) == 1:
-            return fx_utils.linear_children(module) == 1
-        return not children and any(
-            p.ndim == 2 for p in module.parameters(recurse=False)
+        if len(children) == 1 and fx_utils.linear_children(module) == 1:
+            return True
+        return (
+            fx_utils.linear_children(module) == 0
+            and not any(True for child in children for _ in child.children())
+            and any(p.ndim == 2 for p in module.parameters(recurse=False))
         )
 
     @classmethod
@@ -414,7 +458,8 @@ class RouterFuser(RewriteFuser):
         if handed:
             correction = handed[0]
         elif routing.correction_bias is not None:
-            correction = tensors[routing.correction_bias]
+            # One value per expert, however it is stored (Ernie 4.5: [1, experts]).
+            correction = tensors[routing.correction_bias].reshape(num_experts)
         else:
             correction = None
         try:
