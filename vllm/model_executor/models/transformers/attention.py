@@ -61,6 +61,7 @@ def vllm_attention_forward(
     of `qk_nope_head_dim + qk_rope_head_dim`) are zero-padded, and the padding is
     dropped from the output."""
     attn: Attention = getattr(module, ATTN_ATTR)
+    _check_heads(module, attn, query, key, value)
     num_tokens, head_dim_v = query.shape[2], value.shape[-1]
     padding = attn.head_size_v - head_dim_v
     if padding > 0:
@@ -72,6 +73,39 @@ def vllm_attention_forward(
     if padding > 0:
         return output.view(1, num_tokens, -1, attn.head_size_v)[..., :head_dim_v], None
     return output.view(1, num_tokens, -1, head_dim_v), None
+
+
+def _check_heads(
+    module: nn.Module,
+    attn: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """The heads the module hands in must be the ones `attn` was built for: they were
+    read off the module at construction (its attributes, where tracing did not reach
+    the call), and a module that reshapes or repeats its keys and values before the
+    call (JetMoE tiles them to its query heads) would otherwise have its tensors
+    reinterpreted by vLLM's layer, a wrong answer without an error."""
+    handed = (query.shape[1], key.shape[1], value.shape[1], query.shape[-1])
+    built = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads, attn.head_size)
+    if (
+        handed == built
+        and key.shape[-1] == attn.head_size
+        and value.shape[-1] <= attn.head_size_v
+    ):
+        return
+    raise ValueError(
+        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) hands "
+        f"the attention interface {handed[0]} query heads of {query.shape[-1]}, "
+        f"{handed[1]} key heads of {key.shape[-1]} and {handed[2]} value heads of "
+        f"{value.shape[-1]}, but vLLM's attention was built for it with "
+        f"{attn.num_heads} query heads and {attn.num_kv_heads} key/value heads of "
+        f"{attn.head_size} (values {attn.head_size_v}), read from the module's "
+        "attributes: the module changes its heads before the call (repeats or "
+        "reshapes its keys and values), so the Transformers modeling backend cannot "
+        "serve this layer."
+    )
 
 
 def vllm_mla_attention_forward(
