@@ -4,6 +4,8 @@
 attention-interface functions through which those modules reach it: `"vllm"` for
 vLLM's `Attention`, `"vllm_mla"` for its latent attention, `MLAAttention`."""
 
+import ast
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -31,6 +33,7 @@ from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,
 )
+from vllm.model_executor.models.transformers.rewriting import forward_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -258,6 +261,64 @@ def heads_per_rank(site: AttentionSite, tp_size: int) -> tuple[int, int]:
             "projection row-wise."
         )
     return int(num_heads), max(1, int(num_kv_heads))
+
+
+CACHE_PARAMETERS = frozenset({"past_key_values", "past_key_value", "cache_params"})
+"""The names Transformers' forwards take their cache by."""
+STATELESS_CACHE_USES = frozenset(
+    {
+        "update",  # an attention's keys and values: what vLLM's paged cache keeps
+        "get_seq_length",
+        "get_mask_sizes",
+        "is_compileable",
+        "is_initialized",
+        # Encoder-decoder caches, read by encoders (BERT) only when one is given.
+        "is_updated",
+        "self_attention_cache",
+        "cross_attention_cache",
+    }
+)
+"""What a forward may ask of Transformers' cache without keeping state in it that
+vLLM does not (vLLM runs the HF model without a cache)."""
+
+
+@functools.cache
+def cache_state_use(cls: type[nn.Module]) -> str | None:
+    """Where `cls.forward` keeps or reads state of its own in Transformers' cache
+    (a convolution's or a recurrence's, an indexer's), `file:line` and the use;
+    `None` when it asks of it only what `STATELESS_CACHE_USES` lists."""
+    try:
+        source = forward_source(cls)
+    except SyntaxError:  # a forward whose source does not parse on its own
+        return None
+    if source is None:
+        return None
+    for node in ast.walk(source.tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in CACHE_PARAMETERS
+            and node.attr not in STATELESS_CACHE_USES
+        ):
+            return f"{ast.unparse(node)} at {source.location(node)}"
+    return None
+
+
+def refuse_state_beyond_keys_and_values(model: nn.Module, prefix: str) -> None:
+    """A construction error naming the first module that keeps state of its own in
+    Transformers' cache: vLLM's cache holds attention keys and values only, and the
+    HF model runs without Transformers' cache, so such state (Zaya's convolution
+    over the queries and keys, before its attention call) would be lost between
+    steps and every generated token computed without it, a wrong answer."""
+    for name, module in model.named_modules(prefix=prefix):
+        if (use := cache_state_use(type(module))) is not None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) keeps state of its "
+                f"own in Transformers' cache ({use}). vLLM runs the model without that "
+                "cache (its paged cache holds attention keys and values only), so "
+                "the state would be lost between steps and the output would be "
+                "wrong; the Transformers modeling backend cannot serve this model."
+            )
 
 
 def _sinks(site: AttentionSite, num_heads: int, tp_rank: int) -> torch.Tensor | None:

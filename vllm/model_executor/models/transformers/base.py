@@ -41,6 +41,7 @@ from vllm.model_executor.models.transformers.attention import (
     AttentionSite,
     attach_attention,
     attention_sites,
+    refuse_state_beyond_keys_and_values,
 )
 from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS
 from vllm.model_executor.models.transformers.loading import BASE, CheckpointLayout
@@ -366,6 +367,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.pp_group,
             self.tie_word_embeddings,
         )
+        refuse_state_beyond_keys_and_values(self.model, BASE)
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
         self.plan = Fusers(
