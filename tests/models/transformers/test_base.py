@@ -359,3 +359,26 @@ def test_only_state_beyond_keys_and_values_is_refused():
         assert body.split("return ")[1].split("(")[0].split("[")[0] in cache_state_use(
             module(body)
         )
+
+
+def test_a_head_naming_another_prefix_than_its_base_models_is_served(build_backend):
+    # Llama 4's causal LM says its base model is `language_model` and holds it as
+    # `model`, so Transformers' `base_model` is the whole causal LM: the backend
+    # took the head for the base model, and refused the checkpoint's `lm_head`
+    # as missing (the engine did not start).
+    config = small_config(
+        "llama4_text", head_dim=32, num_local_experts=4, num_experts_per_tok=1,
+        intermediate_size=64, intermediate_size_mlp=128,
+        layer_types=["full_attention"] * 2, attention_chunk_size=256,
+    )  # fmt: skip
+    model = build_backend(config)
+    assert type(model.model).__name__ == "Llama4TextModel"
+    names = {name for name, _ in model.named_parameters()}
+    mapper = model.hf_to_vllm_mapper
+    for checkpoint_name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
+        assert mapper._map_name(checkpoint_name) in names, checkpoint_name
