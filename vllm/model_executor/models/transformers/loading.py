@@ -42,17 +42,18 @@ def base_model_of(hf_model: nn.Module) -> tuple[str, nn.Module]:
     Transformers' `base_model` is the child `base_model_prefix` names, or the model
     itself where it has no such child. A few heads name another prefix than the
     child that holds their base model (Llama 4's causal LM says `language_model`
-    and holds its text model as `model`): then it is the one child, besides the
-    output head, that holds the input embeddings."""
+    and holds its text model as `model`): then it is the one child that is a
+    Transformers model itself and holds the input embeddings. A base model (BERT's,
+    for embeddings) has no such child and is its own."""
     base = hf_model.base_model
     if base is not hf_model:
         return hf_model.base_model_prefix, base
     embeddings = hf_model.get_input_embeddings()
-    head = hf_model.get_output_embeddings()
     holders = [
         (name, child)
         for name, child in hf_model.named_children()
-        if child is not head and any(m is embeddings for m in child.modules())
+        if isinstance(child, PreTrainedModel)
+        and any(m is embeddings for m in child.modules())
     ]
     if len(holders) == 1:
         return holders[0]
