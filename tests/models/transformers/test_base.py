@@ -307,3 +307,78 @@ def test_the_compiled_forward_passes_arguments_by_keyword_as_hf_expects():
 
     assert Compiled().forward(input_ids=1, use_cache=False, x=2) == (1, False, {"x": 2})
     assert Compiled().forward(input_ids=1) == (1, True, {})
+
+
+def test_state_kept_in_transformers_cache_is_an_error_naming_the_module(
+    build_backend,
+):
+    # Zaya convolves its queries and keys over the tokens before, keeping the last
+    # ones in Transformers' cache; vLLM runs the model without that cache, so on the
+    # engine each decode step convolved without them (its log-probs 0.06-0.7 off
+    # Transformers', vLLM's stock backend too). Every layer calls the attention
+    # interface, so nothing else refused it.
+    config = small_config(
+        "zaya", head_dim=32, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=32, router_hidden_size=32, layer_types=["hybrid"] * 2,
+        num_hidden_layers=2,
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.self_attn.qkv_proj \(ZayaCCAProjection\) keeps state "
+        r"of its own in Transformers' cache \(past_key_values.has_previous_state at "
+        r".*modeling_zaya.py:\d+\)",
+    ):
+        build_backend(config)
+
+
+def test_only_state_beyond_keys_and_values_is_refused():
+    from vllm.model_executor.models.transformers.attention import cache_state_use
+
+    def module(body: str) -> type[torch.nn.Module]:
+        namespace: dict = {}
+        source = f"def forward(self, x, past_key_values=None):\n    {body}\n"
+        filename = f"<cache use {body!r}>"
+        import linecache
+
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), namespace)
+        return type("Uses", (torch.nn.Module,), {"forward": namespace["forward"]})
+
+    # Attention's keys and values (vLLM's paged cache keeps them), and reads.
+    for body in (
+        "return past_key_values.update(x, x, 0)",
+        "return past_key_values.get_seq_length()",
+        "return x",
+    ):
+        assert cache_state_use(module(body)) is None
+    for body in (
+        "return past_key_values.update_conv_state(x, 0)",
+        "return past_key_values.layers[0].recurrent_states",
+        "return past_key_values.update_indexer(x, 0)",
+    ):
+        assert body.split("return ")[1].split("(")[0].split("[")[0] in cache_state_use(
+            module(body)
+        )
+
+
+def test_a_head_naming_another_prefix_than_its_base_models_is_served(build_backend):
+    # Llama 4's causal LM says its base model is `language_model` and holds it as
+    # `model`, so Transformers' `base_model` is the whole causal LM: the backend
+    # took the head for the base model, and refused the checkpoint's `lm_head`
+    # as missing (the engine did not start).
+    config = small_config(
+        "llama4_text", head_dim=32, num_local_experts=4, num_experts_per_tok=1,
+        intermediate_size=64, intermediate_size_mlp=128,
+        layer_types=["full_attention"] * 2, attention_chunk_size=256,
+    )  # fmt: skip
+    model = build_backend(config)
+    assert type(model.model).__name__ == "Llama4TextModel"
+    names = {name for name, _ in model.named_parameters()}
+    mapper = model.hf_to_vllm_mapper
+    for checkpoint_name in (
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
+        assert mapper._map_name(checkpoint_name) in names, checkpoint_name

@@ -317,3 +317,81 @@ def test_module_that_is_not_causal_gets_encoder_only_attention():
     module = _calling("scaling=1.0")(is_causal=False)
     assert _needs(module).causal is False
     assert _needs(_calling("scaling=1.0")()).causal is True
+
+
+def _forward_passing_mask(body: str, signature: str = "q, k, v, attention_mask=None"):
+    """A `CallsWith` subclass whose forward runs `body` (which binds `mask`) and
+    passes `mask` to the interface as its fifth positional argument."""
+    lines = "".join(f"    {line}\n" for line in body.splitlines())
+    source = (
+        f"def forward(self, {signature}):\n{lines}"
+        "    interface = ALL_ATTENTION_FUNCTIONS.get_interface('sdpa', None)\n"
+        "    return interface(self, q, k, v, mask, scaling=1.0)\n"
+    )
+    filename = f"<mask {body!r} ({signature})>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"ALL_ATTENTION_FUNCTIONS": ALL_ATTENTION_FUNCTIONS}
+    exec(compile(source, filename, "exec"), namespace)
+    return type("Masking", (CallsWith,), {"forward": namespace["forward"]})
+
+
+@pytest.mark.parametrize(
+    ("body", "signature"),
+    [
+        ("mask = attention_mask", "q, k, v, attention_mask=None"),
+        ("mask = None", "q, k, v"),
+        # Older models slice the causal mask to the keys.
+        ("mask = attention_mask[:, :, :, : k.shape[-2]]", "q, k, v, attention_mask"),
+        # Zaya: a mapping of masks, the attention's under "causal".
+        (
+            "mapping = attention_mask or {}\nmask = mapping.get('causal')",
+            "q, k, v, attention_mask=None",
+        ),
+        # GPT-2 and ESM: a cross-attention swaps in the mask it was handed for that.
+        (
+            "mask = attention_mask\nif cross:\n    mask = encoder_attention_mask",
+            "q, k, v, attention_mask=None, encoder_attention_mask=None, cross=False",
+        ),
+        (
+            "mask = encoder_attention_mask if cross else attention_mask",
+            "q, k, v, attention_mask=None, encoder_attention_mask=None, cross=False",
+        ),
+    ],
+)
+def test_a_mask_handed_on_is_honoured(body, signature):
+    # vLLM's attention builds the same (causal, sliding) mask from its metadata.
+    assert _needs(_forward_passing_mask(body, signature)(layer_idx=2)).layer_index == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Doge's dynamic mask: a bias per key computed from the values.
+        "mask = attention_mask + self.bias",
+        "mask = attention_mask\nmask = mask.masked_fill(q[..., :1] > 0, -1e9)",
+        "mask = attention_mask\nmask += self.bias",
+        "mask = self.bias",
+        "mask = build(attention_mask)",
+        "mask = attention_mask.get('causal') + self.bias",
+        "mask = attention_mask if q.sum() > 0 else self.bias",
+    ],
+)
+def test_a_mask_the_module_computes_is_refused_naming_layer_and_mask(body):
+    module = _forward_passing_mask(body)(layer_idx=1, bias=torch.zeros(1))
+    with pytest.raises(
+        ValueError, match=r"Masking \(layer 1, .*\) passes .* a mask it computes itself"
+    ):
+        _needs(module)
+
+
+def test_doges_dynamic_mask_is_refused_not_dropped():
+    # Doge adds a bias per key, computed from the values, to the causal mask and
+    # passes that: vLLM's attention would silently attend without it.
+    model = meta_model("doge", hidden_size=64, num_attention_heads=2)
+    for name, (module, fuser) in attention_modules(model).items():
+        with pytest.raises(ValueError, match=r"DogeAttention \(layer \d.*\(attn_mask\)"):
+            fuser.attention_needs(module, None)
+    # A mask handed on, on real architectures: still served.
+    for model_type in ("llama", "gpt2", "zaya"):
+        for module, fuser in attention_modules(meta_model(model_type)).values():
+            fuser.attention_needs(module, None)

@@ -140,6 +140,9 @@ def assert_same_routing(expected, actual, roles) -> None:
     """Same logits; per token the same experts with the same weights, in any order
     (the experts sum over them). vLLM routes in float32 whatever the dtype."""
     ids, weights = roles.index("ids"), roles.index("weights")
+    # The ids' type too: experts left to Transformers (Aria's) index with them in
+    # `one_hot`, which takes int64 only, the type `torch.topk` gives.
+    assert actual[ids].dtype == expected[ids].dtype == torch.int64
     expected_order = expected[ids].argsort(dim=-1)
     actual_order = actual[ids].argsort(dim=-1)
     torch.testing.assert_close(
@@ -465,3 +468,26 @@ def test_the_plain_router_is_fused():
     change."""
     fuser = get_fuser(Router(), RouterFuser)
     assert isinstance(fuser, RouterFuser) and fuser.routing.renormalize
+
+
+def test_experts_left_to_transformers_run_on_the_fused_routers_choice(fuse):
+    # Aria's experts stay Transformers' (its config names top-k `moe_topk`, so the
+    # experts fuser declines them) while its router is fused: they index with the
+    # router's ids in `one_hot`, which refused the int32 ids vLLM's router gives
+    # (the engine died on the first step).
+    from transformers.models.aria.modeling_aria import AriaTextMoELayer
+
+    block = AriaTextMoELayer(
+        config("aria_text", moe_num_experts=8, moe_topk=2, intermediate_size=32,
+               moe_num_shared_experts=1)
+    ).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, tensor in block.named_parameters():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.2)
+    reference = copy.deepcopy(block)
+    block.router, applied = fuse(block.router)
+    assert [type(f) for f in applied] == [RouterFuser]
+    x = torch.randn(1, 5, HIDDEN, generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), reference(x), rtol=1e-5, atol=1e-5)

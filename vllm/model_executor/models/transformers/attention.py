@@ -4,6 +4,8 @@
 attention-interface functions through which those modules reach it: `"vllm"` for
 vLLM's `Attention`, `"vllm_mla"` for its latent attention, `MLAAttention`."""
 
+import ast
+import functools
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -31,6 +33,7 @@ from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,
 )
+from vllm.model_executor.models.transformers.rewriting import forward_source
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +64,7 @@ def vllm_attention_forward(
     of `qk_nope_head_dim + qk_rope_head_dim`) are zero-padded, and the padding is
     dropped from the output."""
     attn: Attention = getattr(module, ATTN_ATTR)
+    _check_heads(module, attn, query, key, value)
     num_tokens, head_dim_v = query.shape[2], value.shape[-1]
     padding = attn.head_size_v - head_dim_v
     if padding > 0:
@@ -72,6 +76,39 @@ def vllm_attention_forward(
     if padding > 0:
         return output.view(1, num_tokens, -1, attn.head_size_v)[..., :head_dim_v], None
     return output.view(1, num_tokens, -1, head_dim_v), None
+
+
+def _check_heads(
+    module: nn.Module,
+    attn: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """The heads the module hands in must be the ones `attn` was built for: they were
+    read off the module at construction (its attributes, where tracing did not reach
+    the call), and a module that reshapes or repeats its keys and values before the
+    call (JetMoE tiles them to its query heads) would otherwise have its tensors
+    reinterpreted by vLLM's layer, a wrong answer without an error."""
+    handed = (query.shape[1], key.shape[1], value.shape[1], query.shape[-1])
+    built = (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads, attn.head_size)
+    if (
+        handed == built
+        and key.shape[-1] == attn.head_size
+        and value.shape[-1] <= attn.head_size_v
+    ):
+        return
+    raise ValueError(
+        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) hands "
+        f"the attention interface {handed[0]} query heads of {query.shape[-1]}, "
+        f"{handed[1]} key heads of {key.shape[-1]} and {handed[2]} value heads of "
+        f"{value.shape[-1]}, but vLLM's attention was built for it with "
+        f"{attn.num_heads} query heads and {attn.num_kv_heads} key/value heads of "
+        f"{attn.head_size} (values {attn.head_size_v}), read from the module's "
+        "attributes: the module changes its heads before the call (repeats or "
+        "reshapes its keys and values), so the Transformers modeling backend cannot "
+        "serve this layer."
+    )
 
 
 def vllm_mla_attention_forward(
@@ -224,6 +261,64 @@ def heads_per_rank(site: AttentionSite, tp_size: int) -> tuple[int, int]:
             "projection row-wise."
         )
     return int(num_heads), max(1, int(num_kv_heads))
+
+
+CACHE_PARAMETERS = frozenset({"past_key_values", "past_key_value", "cache_params"})
+"""The names Transformers' forwards take their cache by."""
+STATELESS_CACHE_USES = frozenset(
+    {
+        "update",  # an attention's keys and values: what vLLM's paged cache keeps
+        "get_seq_length",
+        "get_mask_sizes",
+        "is_compileable",
+        "is_initialized",
+        # Encoder-decoder caches, read by encoders (BERT) only when one is given.
+        "is_updated",
+        "self_attention_cache",
+        "cross_attention_cache",
+    }
+)
+"""What a forward may ask of Transformers' cache without keeping state in it that
+vLLM does not (vLLM runs the HF model without a cache)."""
+
+
+@functools.cache
+def cache_state_use(cls: type[nn.Module]) -> str | None:
+    """Where `cls.forward` keeps or reads state of its own in Transformers' cache
+    (a convolution's or a recurrence's, an indexer's), `file:line` and the use;
+    `None` when it asks of it only what `STATELESS_CACHE_USES` lists."""
+    try:
+        source = forward_source(cls)
+    except SyntaxError:  # a forward whose source does not parse on its own
+        return None
+    if source is None:
+        return None
+    for node in ast.walk(source.tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in CACHE_PARAMETERS
+            and node.attr not in STATELESS_CACHE_USES
+        ):
+            return f"{ast.unparse(node)} at {source.location(node)}"
+    return None
+
+
+def refuse_state_beyond_keys_and_values(model: nn.Module, prefix: str) -> None:
+    """A construction error naming the first module that keeps state of its own in
+    Transformers' cache: vLLM's cache holds attention keys and values only, and the
+    HF model runs without Transformers' cache, so such state (Zaya's convolution
+    over the queries and keys, before its attention call) would be lost between
+    steps and every generated token computed without it, a wrong answer."""
+    for name, module in model.named_modules(prefix=prefix):
+        if (use := cache_state_use(type(module))) is not None:
+            raise ValueError(
+                f"{name} ({type(module).__name__}) keeps state of its "
+                f"own in Transformers' cache ({use}). vLLM runs the model without that "
+                "cache (its paged cache holds attention keys and values only), so "
+                "the state would be lost between steps and the output would be "
+                "wrong; the Transformers modeling backend cannot serve this model."
+            )
 
 
 def _sinks(site: AttentionSite, num_heads: int, tp_rank: int) -> torch.Tensor | None:

@@ -41,9 +41,14 @@ from vllm.model_executor.models.transformers.attention import (
     AttentionSite,
     attach_attention,
     attention_sites,
+    refuse_state_beyond_keys_and_values,
 )
 from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS
-from vllm.model_executor.models.transformers.loading import BASE, CheckpointLayout
+from vllm.model_executor.models.transformers.loading import (
+    BASE,
+    CheckpointLayout,
+    base_model_of,
+)
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -346,7 +351,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         """Build the HF model, then fuse it and attach attention (module docstring).
         Returns the whole HF model, whose head the base does not keep."""
         hf_model = build_hf_model(vllm_config)
-        self.model: PreTrainedModel = hf_model.base_model
+        self.model: PreTrainedModel = base_model_of(hf_model)[1]
         self.layout = CheckpointLayout.of(hf_model)
         self.tie_word_embeddings = bool(
             getattr(self.text_config, "tie_word_embeddings", False)
@@ -366,6 +371,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.pp_group,
             self.tie_word_embeddings,
         )
+        refuse_state_beyond_keys_and_values(self.model, BASE)
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
         self.plan = Fusers(

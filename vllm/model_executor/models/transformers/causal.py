@@ -25,6 +25,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.loading import base_model_of
 from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.model_executor.models.transformers.tracing import trace
 from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
@@ -94,7 +95,7 @@ class LogitsHead:
         if not isinstance(logits, fx.Node):
             raise _refuse(model, "its forward returns no `logits` tensor")
 
-        base = set(model.base_model.modules())
+        base = set(base_model_of(model)[1].modules())
         chain: list[fx.Node] = []  # from the logits back to the base model's call
         node = logits
         while not (

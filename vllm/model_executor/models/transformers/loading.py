@@ -34,6 +34,32 @@ BASE = "model"
 """The backend keeps the HF base model as `self.model`."""
 LM_HEAD = "lm_head"
 
+
+
+def base_model_of(hf_model: nn.Module) -> tuple[str, nn.Module]:
+    """The HF model's base model, and the name its checkpoint gives it.
+
+    Transformers' `base_model` is the child `base_model_prefix` names, or the model
+    itself where it has no such child. A few heads name another prefix than the
+    child that holds their base model (Llama 4's causal LM says `language_model`
+    and holds its text model as `model`): then it is the one child that is a
+    Transformers model itself and holds the input embeddings. A base model (BERT's,
+    for embeddings) has no such child and is its own."""
+    base = hf_model.base_model
+    if base is not hf_model:
+        return hf_model.base_model_prefix, base
+    embeddings = hf_model.get_input_embeddings()
+    holders = [
+        (name, child)
+        for name, child in hf_model.named_children()
+        if isinstance(child, PreTrainedModel)
+        and any(m is embeddings for m in child.modules())
+    ]
+    if len(holders) == 1:
+        return holders[0]
+    return hf_model.base_model_prefix, base
+
+
 # Buffers Transformers recomputes, found in some older checkpoints.
 _RECOMPUTED_BUFFERS = re.compile(r"rotary_emb\.inv_freq$|\.masked_bias$|\.attn\.bias$")
 
@@ -127,18 +153,17 @@ class CheckpointLayout:
             (name for name, child in hf_model.named_children() if child is output), None
         )
         conversions = get_model_conversion_mapping(hf_model)
+        base_prefix, base = base_model_of(hf_model)
         return cls(
-            base_prefix=hf_model.base_model_prefix,
-            base_children=tuple(
-                name for name, _ in hf_model.base_model.named_children()
-            ),
+            base_prefix=base_prefix,
+            base_children=tuple(name for name, _ in base.named_children()),
             lm_head_name=lm_head_name,
             lm_head_bias=getattr(output, "bias", None) is not None,
             renamings=[t for t in conversions if isinstance(t, WeightRenaming)],
             ignored=list(hf_model._keys_to_ignore_on_load_unexpected or []),
             per_expert=_per_expert_names(conversions),
             shapes=_tensors(
-                [(BASE, hf_model.base_model)]
+                [(BASE, base)]
                 + ([(LM_HEAD, output)] if output is not None else [])
             ),
         )

@@ -193,7 +193,9 @@ def route_outputs(
     found = {
         "logits": logits,
         "weights": weights.reshape(shape),
-        "ids": ids.reshape(shape),
+        # int64, as `torch.topk` gives them to Transformers' routers: experts the
+        # backend leaves to Transformers index with them (`one_hot` takes no other).
+        "ids": ids.reshape(shape).long(),
     }
     return tuple(found[role] for role in routing.outputs)
 

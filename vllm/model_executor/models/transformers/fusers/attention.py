@@ -169,6 +169,96 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _mask_argument(call: ast.Call) -> ast.expr | None:
+    """The mask the attention call passes: `attention_mask=`, else its fifth
+    positional argument (after module, query, key and value); `None` if neither."""
+    for keyword in call.keywords:
+        if keyword.arg == "attention_mask":
+            return keyword.value
+    return call.args[4] if len(call.args) > 4 else None
+
+
+def _assignments(forward: ast.FunctionDef, name: str) -> list[ast.expr | None]:
+    """The value of every binding of the local `name` in `forward` (`None` for one
+    whose value the source does not show: `x += ...`, a loop target, an import)."""
+    values: list[ast.expr | None] = []
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id == name:
+                    values.append(node.value)
+                elif any(n.id == name for n in _bound_names(target)):
+                    values.append(None)  # unpacked: not one value of its own
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr):
+            if isinstance(node.target, ast.Name) and node.target.id == name:
+                values.append(node.value)
+        elif isinstance(node, ast.AugAssign | ast.For | ast.With | ast.comprehension):
+            targets = (
+                [item.optional_vars for item in node.items if item.optional_vars]
+                if isinstance(node, ast.With)
+                else [node.target]
+            )
+            if any(n.id == name for t in targets for n in _bound_names(t)):
+                values.append(None)
+    return values
+
+
+def _bound_names(target: ast.expr) -> list[ast.Name]:
+    return [
+        n
+        for n in ast.walk(target)
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    ]
+
+
+def _passes_mask_on(
+    expression: ast.expr | None, forward: ast.FunctionDef, seen: frozenset[str]
+) -> bool:
+    """Whether `expression` only hands on a mask the forward was given: `None`, a
+    parameter of the forward, a local bound only to such values, an element or
+    slice of one (`mask["causal"]`, `mapping.get("causal")`, `m[:, :, :, :n]`),
+    `x or {}`, `a if c else b`. Anything computed from other tensors is a mask of
+    the module's own making, which vLLM's attention would drop."""
+    if expression is None:
+        return False
+    if isinstance(expression, ast.Constant):
+        return expression.value is None
+    if isinstance(expression, ast.Dict):
+        return not expression.keys  # `mask or {}`
+    if isinstance(expression, ast.Name):
+        name = expression.id
+        if name in seen:
+            return True  # a rebinding from itself adds nothing
+        arguments = forward.args
+        parameters = {
+            a.arg
+            for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)
+        } - {"self"}
+        values = _assignments(forward, name)
+        if name not in parameters and not values:
+            return False  # a global or closure: not something the caller handed in
+        return all(_passes_mask_on(v, forward, seen | {name}) for v in values)
+    if isinstance(expression, ast.Subscript):
+        return _passes_mask_on(expression.value, forward, seen)
+    if isinstance(expression, ast.Call):
+        function = expression.func
+        return (
+            isinstance(function, ast.Attribute)
+            and function.attr == "get"
+            and not expression.keywords
+            and len(expression.args) in (1, 2)
+            and all(isinstance(a, ast.Constant) for a in expression.args)
+            and _passes_mask_on(function.value, forward, seen)
+        )
+    if isinstance(expression, ast.BoolOp) and isinstance(expression.op, ast.Or):
+        return all(_passes_mask_on(v, forward, seen) for v in expression.values)
+    if isinstance(expression, ast.IfExp):
+        return _passes_mask_on(expression.body, forward, seen) and _passes_mask_on(
+            expression.orelse, forward, seen
+        )
+    return False
+
+
 @dataclass
 class AttentionFuser(BaseFuser):
     """`interface = ALL_ATTENTION_FUNCTIONS.get_interface(...); interface(self, q, k, v, ...)`
@@ -190,6 +280,10 @@ class AttentionFuser(BaseFuser):
     """How many positional arguments the call passes (`module, q, k, v, mask`)."""
     location: str = ""
     """`file:line` of that call."""
+    own_mask: str | None = None
+    """The source of the mask the call passes where it is not one the forward was
+    handed (`_passes_mask_on`), but one the module computes itself: vLLM's attention
+    builds its own mask from its metadata and would drop this one."""
     sources: dict[str, str | None] = field(default_factory=dict)
     """Role (`q`, `k`, `v`, `o`) -> the direct child computing it, from dataflow."""
     attributes: dict[str, str | None] = field(default_factory=dict)
@@ -231,11 +325,16 @@ class AttentionFuser(BaseFuser):
                 f"it {len(calls)} times; exactly one call is one attention layer",
             )
         (call,) = calls
+        mask = _mask_argument(call)
+        own_mask = None
+        if mask is not None and not _passes_mask_on(mask, source.tree, frozenset()):
+            own_mask = ast.unparse(mask)
         fuser = cls(
             interface_call=ast.unparse(call.func),
             arguments={kw.arg: kw.value for kw in call.keywords if kw.arg is not None},
             positional=len(call.args),
             location=source.location(call),
+            own_mask=own_mask,
         )
         if graph is not None:
             fuser._read_dataflow(graph, module)
@@ -405,6 +504,13 @@ class AttentionFuser(BaseFuser):
                     f"{', '.join(HONOURED)}), so the Transformers modeling backend "
                     "cannot serve this layer."
                 )
+        if self.own_mask is not None:
+            raise ValueError(
+                f"{self.describe(module)} passes the attention interface a mask it "
+                f"computes itself ({self.own_mask}), not the one it was handed; "
+                "vLLM's attention masks from its own metadata and would drop it, so "
+                "the Transformers modeling backend cannot serve this layer."
+            )
         if "output_attentions" in self.arguments:
             wants = _resolve_argument(self.arguments["output_attentions"], module)
             if wants is not _UNRESOLVED and wants:

@@ -291,7 +291,9 @@ def _same_choice(
     for at, role in enumerate(roles):
         e, g = expected[at], got[at]
         if role == "ids":
-            if not torch.equal(e.gather(-1, order_e).long(), g.gather(-1, order_g).long()):
+            if e.dtype != g.dtype or not torch.equal(
+                e.gather(-1, order_e), g.gather(-1, order_g)
+            ):
                 return False
         elif role == "weights":
             if not _close(e.gather(-1, order_e), g.gather(-1, order_g)):
