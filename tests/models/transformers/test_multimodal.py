@@ -353,6 +353,19 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
         assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
 
 
+def test_llava_next_forward_filled_from_its_config_is_read(build_backend):
+    """LLaVA-NeXT's `forward` is wrapped by Transformers' `merge_with_config_defaults`,
+    which fills `vision_feature_layer` from the config unless it is passed by name
+    (it cannot see it among positional arguments through the wrapper under it):
+    the backend reads the logits from that forward and builds the model (it
+    refused it, `got multiple values for argument 'vision_feature_layer'`)."""
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["llava_next"])
+    config.architectures = ["LlavaNextForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    assert model.report.servable and len(model.report.attention) == 4
+    assert set(model.report.kept) == {"vision_tower", "multi_modal_projector"}
+
+
 # --- an audio model: text only, its audio refused clearly ----------------------------
 
 
