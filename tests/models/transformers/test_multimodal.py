@@ -261,6 +261,36 @@ def test_processor_without_its_video_processor(tmp_path):
     assert "Unrecognized image processor" in str(error.value.__cause__)
 
 
+def test_an_image_sent_again_is_expanded_from_the_cache():
+    """vLLM's processor cache keeps each image's processed inputs and asks the
+    backend for the prompt updates of the images it misses only: a prompt whose
+    images were all seen before has none missing, and is expanded as the first
+    time (it failed, `Modality 'image' not found`). Also an image cached beside a
+    new one."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
+
+    model_config = ModelConfig(
+        model=str(checkpoint("llava")), model_impl="transformers", dtype="float32"
+    )
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    cache = MultiModalProcessorOnlyCache(model_config)
+    old, new = tiny_multimodal.RED, tiny_multimodal.WIDE
+
+    def expand(prompt: str, images: list[tiny_multimodal.Image]) -> list[int]:
+        data = {"image": [i.pil() for i in images]}
+        items = processor.data_parser.parse_mm_data(data)
+        return processor(prompt, items, cache=cache)["prompt_token_ids"]
+
+    first = expand("the cat <image> near", [old])
+    assert expand("the cat <image> near", [old]) == first  # every image cached
+    both = expand("<image> one <image> two", [new, old])  # one cached, one not
+    image = processor.info.image_token_id()
+    assert first.count(image) == 16 and both.count(image) == 32
+    assert both == expand("<image> one <image> two", [new, old])
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 

@@ -369,13 +369,15 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargsItems,
     ) -> Sequence[PromptUpdate]:
-        images = mm_items.get_items(IMAGE, ImageProcessorItems)
         placeholder = self.info.placeholder()
         target = self.info.get_tokenizer().convert_tokens_to_ids(placeholder)
         image_token_id = self.info.image_token_id()
 
         def replacement(item: int) -> PromptUpdateDetails:
-            size = images.get_image_size(item)
+            # Asked only for items of `mm_items`, which may hold none: vLLM asks
+            # for the updates of the images its cache misses, and a prompt whose
+            # images are all cached (an image sent again) has none missing.
+            size = mm_items.get_items(IMAGE, ImageProcessorItems).get_image_size(item)
             tokens = list(self.info.expansion(size.width, size.height))
             return PromptUpdateDetails.select_token_id(tokens, image_token_id)
 
