@@ -396,6 +396,30 @@ def test_llava_next_forward_filled_from_its_config_is_read(build_backend):
     assert set(model.report.kept) == {"vision_tower", "multi_modal_projector"}
 
 
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_vl"])
+def test_image_features_beyond_the_embeddings_are_refused(build_backend, name):
+    """Qwen3-VL's `get_image_features` also returns `deepstack_features`, which its
+    decoder adds to the image tokens' hidden states in its first layers; the
+    backend hands the decoder the embeddings only, so it refuses the image (it
+    answered without them: other greedy tokens, log-probs off by 1.1). Qwen2-VL's
+    tower returns the embeddings only and is served."""
+    recipe = tiny_multimodal.RECIPES[name]
+    config = tiny_multimodal.config(recipe)
+    architecture = type(config).__name__.replace("Config", "ForConditionalGeneration")
+    config.architectures = [architecture]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    patch = tiny_multimodal.QWEN_VL_PATCHES
+    grid = torch.tensor([[1, 4, 4]])  # a 32x32 picture: 4x4 patches of 8 px
+    width = 3 * patch["temporal_patch_size"] * patch["patch_size"] ** 2
+    pixels = torch.randn(int(grid.prod()), width)
+    if name == "qwen3_vl":
+        with pytest.raises(NotImplementedError, match="returns `deepstack_features`"):
+            model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
+    else:
+        (features,) = model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
+        assert features.shape == (4, config.text_config.hidden_size)
+
+
 # --- an audio model: text only, its audio refused clearly ----------------------------
 
 

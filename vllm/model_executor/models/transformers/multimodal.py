@@ -397,7 +397,38 @@ def _image_features(model: PreTrainedModel, **inputs: Any) -> list[torch.Tensor]
     kwargs = {k: v for k, v in inputs.items() if k in accepted and v is not None}
     output = get_image_features(**kwargs, return_dict=True)
     features = output.pooler_output
+    width = features[0].shape[-1]
+    for name, value in output.items():
+        if name in _ENCODER_OUTPUTS or not any(
+            t.is_floating_point() and t.ndim > 0 and t.shape[-1] == width
+            for t in _tensors(value)
+        ):
+            continue
+        raise NotImplementedError(
+            f"{type(model).__name__}.get_image_features returns `{name}` beside the "
+            "image tokens' embeddings (`pooler_output`): features of the decoder's "
+            f"width ({width}) that its forward uses besides the embeddings (Qwen3-VL "
+            "adds its `deepstack_features` to the image tokens' hidden states in its "
+            "first decoder layers). This backend hands the decoder the embeddings "
+            "only, so it refuses the image rather than answer without them."
+        )
     return [f.reshape(-1, f.shape[-1]) for f in features]
+
+
+_ENCODER_OUTPUTS = frozenset(
+    {"pooler_output", "last_hidden_state", "hidden_states", "attentions"}
+)
+"""What any vision tower's output holds (the embeddings and the tower's own states)."""
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in `value`, inside lists and tuples (not inside another model
+    output: a tower's or a Q-Former's own, kept whole beside the embeddings)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
