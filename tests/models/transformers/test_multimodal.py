@@ -291,6 +291,56 @@ def test_an_image_sent_again_is_expanded_from_the_cache():
     assert both == expand("<image> one <image> two", [new, old])
 
 
+def test_tiles_of_each_image_are_its_own():
+    """InternVL's processor (GOT-OCR2's image processor) returns every image's
+    tiles one after another; vLLM must get each image's own tiles (they were taken
+    one row per image: 2 rows for 6 tiles, and the engine died assigning 8 image
+    embeddings to 24 image tokens). Each image's rows are its tiles, as the
+    processor makes them for that image alone; the vision tower then gives one
+    embedding per image token, the tiles of an image joined."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    name = "internvl"
+    path = checkpoint(name)
+    model_config = ModelConfig(
+        model=str(path), model_impl="transformers", dtype="float32"
+    )
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    request = tiny_multimodal.REQUESTS["two images"]
+    pictures = [i.pil() for i in request.images]
+    items = processor.data_parser.parse_mm_data({"image": pictures})
+    prompt = request.prompt(tiny_multimodal.RECIPES[name])
+    out = processor(prompt, items)
+    assert out["prompt_token_ids"] == reference(name)["two images"].prompt_ids
+    alone = processor.info.get_hf_processor().image_processor
+    images = out["mm_kwargs"]["image"]
+    assert len(images) == 2
+    for picture, item in zip(pictures, images):
+        want = torch.as_tensor(alone([picture], return_tensors="pt")["pixel_values"])
+        assert len(want) == 3  # a 48x32 picture: 2 tiles and the thumbnail
+        assert torch.equal(item["pixel_values"].data, want)
+
+
+def test_tiles_features_are_joined_per_image(build_backend):
+    """The vision tower gives one embedding per tile; vLLM wants one per image:
+    each image's tiles, in order (4 tokens a tile here)."""
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["internvl"])
+    config.architectures = ["InternVLForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    torch.manual_seed(0)
+    with torch.no_grad():  # built without weights: seeded ones for the tower
+        for name in model.report.kept:
+            for param in model.model.get_submodule(name).parameters():
+                param.normal_(0, 0.1)
+    pixels = [torch.randn(3, 3, 32, 32), torch.randn(1, 3, 32, 32)]
+    tiles = torch.tensor([3, 1])
+    features = model.embed_multimodal(pixel_values=pixels, num_image_tiles=tiles)
+    assert [f.shape for f in features] == [(12, 128), (4, 128)]
+    (last,) = model.embed_multimodal(pixel_values=pixels[1:], num_image_tiles=tiles[1:])
+    assert torch.allclose(features[1], last, atol=1e-6)
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 

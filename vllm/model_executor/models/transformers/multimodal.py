@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
+from transformers.image_utils import get_image_size, to_numpy_array
 from transformers.models.auto.processing_auto import (
     PROCESSOR_MAPPING,
     processor_class_from_name,
@@ -85,6 +86,10 @@ TEXT_FIELDS = frozenset(
 )
 """What a processor returns about the text, which vLLM tokenizes itself."""
 
+
+TILES = "num_image_tiles"
+"""The backend's own processor output: how many rows of `pixel_values` (tiles)
+each image has, where a processor returns every image's tiles one after another."""
 
 IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
 """The sub-processors an image request needs."""
@@ -339,26 +344,69 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         # Processors count the placeholders of the text against the images.
         return " ".join([self.info.placeholder()] * mm_counts.get(IMAGE, 0))
 
+    def _call_hf_processor(
+        self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        """The processor's outputs; where it returns the pictures' tiles one after
+        another (`pixel_values` [tiles of every image, ...]: GOT-OCR2's image
+        processor, for InternVL and Aya Vision), also how many tiles each image
+        has (`TILES`), which the processor says only when asked (Transformers'
+        `_get_num_multimodal_tokens`)."""
+        outputs = super()._call_hf_processor(hf_data, hf_kwargs)
+        images = hf_data.get("images") or []
+        if isinstance(images, Image.Image):
+            images = [images]
+        pixel_values = outputs.get("pixel_values")
+        if (
+            not images
+            or not isinstance(pixel_values, torch.Tensor)
+            or len(pixel_values) == len(images)
+            or any(k.endswith("_grid_thw") for k in outputs)
+        ):
+            return outputs
+        processor = self.info.get_hf_processor(**hf_kwargs)
+        sizes = [_height_width(image) for image in images]
+        counts = None
+        if hasattr(processor, "_get_num_multimodal_tokens"):
+            counts = getattr(
+                processor._get_num_multimodal_tokens(image_sizes=sizes),
+                "num_image_patches",
+                None,
+            )
+        if counts is None or sum(counts) != len(pixel_values):
+            raise ValueError(
+                f"{type(processor).__name__} returns {len(pixel_values)} rows of "
+                f"`pixel_values` for {len(images)} images and does not say how many "
+                f"are each image's (its `_get_num_multimodal_tokens` gives {counts}): "
+                "the backend cannot tell which tiles are which image's."
+            )
+        outputs[TILES] = torch.tensor(counts)
+        return outputs
+
     def _get_mm_fields_config(
         self,
         hf_inputs: BatchFeature,
         hf_processor_mm_kwargs: Mapping[str, object],
     ) -> Mapping[str, MultiModalFieldConfig]:
         """One entry per image (`pixel_values` [images, ...]), except where the
-        processor returns a grid per image (`image_grid_thw`, dynamic resolution):
-        then a field with one row per patch is split by the patches of each grid."""
+        processor returns a grid per image (`image_grid_thw`, dynamic resolution)
+        or tiles per image (`TILES`): then a field with one row per patch or tile
+        is split by each image's count."""
         fields = [k for k in hf_inputs if k not in TEXT_FIELDS]
         grids = [k for k in fields if k.endswith("_grid_thw")]
-        if not grids:
+        if grids:
+            (grid,) = grids
+            rows = torch.as_tensor(hf_inputs[grid]).prod(-1)
+        elif TILES in hf_inputs:
+            grid, rows = TILES, torch.as_tensor(hf_inputs[TILES])
+        else:
             return {k: MultiModalFieldConfig.batched(IMAGE) for k in fields}
-        (grid,) = grids
-        patches = torch.as_tensor(hf_inputs[grid]).prod(-1)
-        total = int(patches.sum())
+        total = int(rows.sum())
         config = {}
         for key in fields:
             value = hf_inputs[key]
             if key != grid and isinstance(value, torch.Tensor) and len(value) == total:
-                config[key] = MultiModalFieldConfig.flat_from_sizes(IMAGE, patches)
+                config[key] = MultiModalFieldConfig.flat_from_sizes(IMAGE, rows)
             else:
                 config[key] = MultiModalFieldConfig.batched(IMAGE)
         return config
@@ -382,6 +430,13 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
             return PromptUpdateDetails.select_token_id(tokens, image_token_id)
 
         return [PromptReplacement(IMAGE, [target], replacement)]
+
+
+def _height_width(image: object) -> tuple[int, int]:
+    """An image's (height, width), as Transformers' processors take sizes."""
+    if isinstance(image, Image.Image):
+        return image.height, image.width
+    return tuple(get_image_size(to_numpy_array(image)))
 
 
 def _image_features(model: PreTrainedModel, **inputs: Any) -> list[torch.Tensor]:
@@ -484,11 +539,24 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
         if not any(v is not None for v in kwargs.values()):
             return []
+        tiles = kwargs.pop(TILES, None)
         pixel_values = kwargs.get("pixel_values")
         if isinstance(pixel_values, list):  # images of one size come stacked
-            kwargs["pixel_values"] = torch.stack(pixel_values)
+            join = torch.cat if tiles is not None else torch.stack
+            kwargs["pixel_values"] = join(pixel_values)
         with torch.no_grad():
-            return _image_features(self.model, **kwargs)
+            features = _image_features(self.model, **kwargs)
+        if tiles is None:
+            return features
+        # One embedding per tile: each image's tiles in order, as it writes them.
+        tiles = tiles if isinstance(tiles, list) else tiles.flatten()
+        counts = [int(n) for n in tiles]
+        if len(features) != sum(counts):
+            raise ValueError(
+                f"{len(features)} tiles' features for images of {counts} tiles"
+            )
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [torch.cat(features[a : a + n]) for a, n in zip(starts, counts)]
 
     def get_language_model(self) -> "MultiModalMixin":
         # One model: the decoder is not a separate vLLM model here.
