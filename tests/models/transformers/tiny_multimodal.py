@@ -147,6 +147,15 @@ RECIPES: dict[str, Recipe] = {
     # 32 px tiles, each tile and a 32 px overview through the CLIP tower, the tiles'
     # features unpadded to the picture's aspect with a newline embedding per row.
     "llava_next": Recipe("llava_next", ("<image>",), "<image>"),
+    # LLaVA-OneVision: LLaVA-NeXT's tiles (grids up to 2x2 of 32 px) through a
+    # SigLIP tower, every patch kept, a Qwen2 decoder. Its processor always loads
+    # a video processor.
+    "llava_onevision": Recipe(
+        "llava_onevision",
+        ("<image>", "<video>"),
+        "<image>",
+        video_processor=dict(video_processor_type="LlavaOnevisionVideoProcessor"),
+    ),
     # Qwen3-VL: Qwen2-VL's layout (interleaved M-RoPE), a vision transformer with
     # learned position embeddings whose intermediate features ("deepstack") are
     # added to the image tokens' hidden states in the first decoder layers.
@@ -306,6 +315,10 @@ LLAVA_NEXT_GRIDS = [[32, 64], [64, 32], [64, 64]]
 32 px."""
 
 
+ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+"""LLaVA-OneVision's tile grids (height, width) in pixels."""
+
+
 def config(recipe: Recipe):
     """The Transformers config of `recipe`'s tiny model: its vocabulary is `tiny`'s
     words and the recipe's image tokens."""
@@ -342,6 +355,19 @@ def config(recipe: Recipe):
             projector_hidden_act="gelu",
             vision_feature_layer=-2,
             vision_feature_select_strategy="default",
+        )
+    if recipe.model_type == "llava_onevision":
+        return AutoConfig.for_model(
+            "llava_onevision",
+            text_config=dict(text, model_type="qwen2"),
+            vision_config=dict(
+                CLIP_32, model_type="siglip_vision_model", num_hidden_layers=2
+            ),
+            image_token_index=tid("<image>"),
+            video_token_index=tid("<video>"),
+            image_grid_pinpoints=ONEVISION_GRIDS,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
         )
     if recipe.model_type == "aya_vision":
         return AutoConfig.for_model(
@@ -567,6 +593,7 @@ def processor_class(recipe: Recipe):
     cls = dict(
         llava=t.LlavaProcessor,
         llava_next=t.LlavaNextProcessor,
+        llava_onevision=t.LlavaOnevisionProcessor,
         aya_vision=t.AyaVisionProcessor,
         internvl=t.InternVLProcessor,
         gemma3=t.Gemma3Processor,
@@ -616,6 +643,17 @@ def make_processor(recipe: Recipe, tokenizer):
             patch_size=8,
             vision_feature_select_strategy="default",
             num_additional_image_tokens=1,
+            chat_template=template,
+        )
+    if recipe.model_type == "llava_onevision":
+        images = t.LlavaOnevisionImageProcessorPil(
+            size={"height": 32, "width": 32}, image_grid_pinpoints=ONEVISION_GRIDS
+        )
+        return processor_class(recipe)(
+            image_processor=images,
+            tokenizer=tokenizer,
+            num_image_tokens=16,
+            vision_feature_select_strategy="full",
             chat_template=template,
         )
     if recipe.model_type in ("aya_vision", "internvl"):
