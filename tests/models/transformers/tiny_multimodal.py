@@ -156,6 +156,14 @@ RECIPES: dict[str, Recipe] = {
         "<image>",
         video_processor=dict(video_processor_type="LlavaOnevisionVideoProcessor"),
     ),
+    # Idefics3: the picture split into 32 px tiles and a 32 px global view, each
+    # through a SigLIP-like tower, pixel-shuffled 2x2, a Llama decoder; tiles
+    # written between `<fake_token_around_image>` with their row and column.
+    "idefics3": Recipe(
+        "idefics3",
+        ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
+        "<image>",
+    ),
     # Qwen3-VL: Qwen2-VL's layout (interleaved M-RoPE), a vision transformer with
     # learned position embeddings whose intermediate features ("deepstack") are
     # added to the image tokens' hidden states in the first decoder layers.
@@ -368,6 +376,17 @@ def config(recipe: Recipe):
             image_grid_pinpoints=ONEVISION_GRIDS,
             vision_feature_select_strategy="full",
             vision_feature_layer=-1,
+        )
+    if recipe.model_type == "idefics3":
+        return AutoConfig.for_model(
+            "idefics3",
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(
+                CLIP_32, model_type="idefics3_vision", num_hidden_layers=2
+            ),
+            image_token_id=tid("<image>"),
+            scale_factor=2,
+            pad_token_id=tiny.PAD_ID,
         )
     if recipe.model_type == "aya_vision":
         return AutoConfig.for_model(
@@ -594,6 +613,7 @@ def processor_class(recipe: Recipe):
         llava=t.LlavaProcessor,
         llava_next=t.LlavaNextProcessor,
         llava_onevision=t.LlavaOnevisionProcessor,
+        idefics3=t.Idefics3Processor,
         aya_vision=t.AyaVisionProcessor,
         internvl=t.InternVLProcessor,
         gemma3=t.Gemma3Processor,
@@ -654,6 +674,18 @@ def make_processor(recipe: Recipe, tokenizer):
             tokenizer=tokenizer,
             num_image_tokens=16,
             vision_feature_select_strategy="full",
+            chat_template=template,
+        )
+    if recipe.model_type == "idefics3":
+        images = t.Idefics3ImageProcessorPil(
+            size={"longest_edge": 64},
+            max_image_size={"longest_edge": 32},
+            do_image_splitting=True,
+        )
+        return t.Idefics3Processor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            image_seq_len=4,
             chat_template=template,
         )
     if recipe.model_type in ("aya_vision", "internvl"):
