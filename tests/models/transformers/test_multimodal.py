@@ -291,17 +291,24 @@ def test_an_image_sent_again_is_expanded_from_the_cache():
     assert both == expand("<image> one <image> two", [new, old])
 
 
-def test_tiles_of_each_image_are_its_own():
+TILED = {"internvl": (3, 3), "idefics3": (5, 5)}
+"""Tiles of the two pictures of "two images" (48x32 and 32x48 px): InternVL's two
+and a thumbnail; Idefics3's 2x2 of its picture resized to 64 px, and a global
+view."""
+
+
+@pytest.mark.parametrize("name", list(TILED))
+def test_tiles_of_each_image_are_its_own(name):
     """InternVL's processor (GOT-OCR2's image processor) returns every image's
-    tiles one after another; vLLM must get each image's own tiles (they were taken
-    one row per image: 2 rows for 6 tiles, and the engine died assigning 8 image
-    embeddings to 24 image tokens). Each image's rows are its tiles, as the
-    processor makes them for that image alone; the vision tower then gives one
-    embedding per image token, the tiles of an image joined."""
+    tiles one after another, Idefics3's the same under one leading dimension for
+    the prompt; vLLM must get each image's own tiles (InternVL's were taken one
+    row per image, and the engine died assigning 8 image embeddings to 24 image
+    tokens). Each image's rows are its tiles, as the processor makes them for that
+    image alone. Idefics3's pictures of up to 64 px a side are profiled at 64x64
+    (the backend found no size to profile with and refused the model)."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    name = "internvl"
     path = checkpoint(name)
     model_config = ModelConfig(
         model=str(path), model_impl="transformers", dtype="float32"
@@ -316,28 +323,41 @@ def test_tiles_of_each_image_are_its_own():
     alone = processor.info.get_hf_processor().image_processor
     images = out["mm_kwargs"]["image"]
     assert len(images) == 2
-    for picture, item in zip(pictures, images):
+    for picture, item, tiles in zip(pictures, images, TILED[name]):
         want = torch.as_tensor(alone([picture], return_tensors="pt")["pixel_values"])
-        assert len(want) == 3  # a 48x32 picture: 2 tiles and the thumbnail
+        want = want[0] if name == "idefics3" else want  # the prompt's dimension
+        assert len(want) == tiles
         assert torch.equal(item["pixel_values"].data, want)
+    size = processor.info.image_size_with_most_features()
+    side = 32 if name == "internvl" else 64
+    assert (size.width, size.height) == (side, side)
 
 
-def test_tiles_features_are_joined_per_image(build_backend):
+@pytest.mark.parametrize("name", list(TILED))
+def test_tiles_features_are_joined_per_image(build_backend, name):
     """The vision tower gives one embedding per tile; vLLM wants one per image:
-    each image's tiles, in order (4 tokens a tile here)."""
-    config = tiny_multimodal.config(tiny_multimodal.RECIPES["internvl"])
-    config.architectures = ["InternVLForConditionalGeneration"]
+    each image's tiles, in order (4 tokens a tile here), the same as for that
+    image alone. Idefics3's tower gets the prompt's dimension back."""
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES[name])
+    config.architectures = [
+        type(config).__name__.replace("Config", "ForConditionalGeneration")
+    ]
     model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
     torch.manual_seed(0)
     with torch.no_grad():  # built without weights: seeded ones for the tower
-        for name in model.report.kept:
-            for param in model.model.get_submodule(name).parameters():
+        for child in model.report.kept:
+            for param in model.model.get_submodule(child).parameters():
                 param.normal_(0, 0.1)
-    pixels = [torch.randn(3, 3, 32, 32), torch.randn(1, 3, 32, 32)]
-    tiles = torch.tensor([3, 1])
-    features = model.embed_multimodal(pixel_values=pixels, num_image_tiles=tiles)
-    assert [f.shape for f in features] == [(12, 128), (4, 128)]
-    (last,) = model.embed_multimodal(pixel_values=pixels[1:], num_image_tiles=tiles[1:])
+    pixels = [torch.randn(3, 3, 32, 32), torch.randn(2, 3, 32, 32)]
+    tiles = torch.tensor([3, 2])
+    kwargs = dict(pixel_values=pixels, num_image_tiles=tiles)
+    if name == "idefics3":
+        kwargs["pixel_attention_mask"] = [torch.ones(len(p), 32, 32) for p in pixels]
+        kwargs["image_tiles_in_prompt"] = torch.ones(2, dtype=torch.bool)
+    features = model.embed_multimodal(**kwargs)
+    assert [f.shape for f in features] == [(12, 128), (8, 128)]
+    alone = {k: v[1:] for k, v in kwargs.items()}
+    (last,) = model.embed_multimodal(**alone)
     assert torch.allclose(features[1], last, atol=1e-6)
 
 

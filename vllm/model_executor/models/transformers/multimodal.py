@@ -91,6 +91,10 @@ TILES = "num_image_tiles"
 """The backend's own processor output: how many rows of `pixel_values` (tiles)
 each image has, where a processor returns every image's tiles one after another."""
 
+TILES_IN_PROMPT = "image_tiles_in_prompt"
+"""The backend's own processor output, per image: the model takes its tiles under
+a leading dimension for the prompt, which the backend removed (Idefics3)."""
+
 IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
 """The sub-processors an image request needs."""
 
@@ -297,6 +301,11 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
                 return ImageSize(
                     width=size["shortest_edge"], height=size["shortest_edge"]
                 )
+            if "longest_edge" in size:
+                # Pictures up to this side (Idefics3's, split into tiles): the
+                # square of that side has the most pixels, so the most tiles.
+                side = size["longest_edge"]
+                return ImageSize(width=side, height=side)
         raise ValueError(
             f"{type(images).__name__}: no size to profile the vision tower with "
             f"(size={getattr(images, 'size', None)})."
@@ -360,7 +369,6 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         if (
             not images
             or not isinstance(pixel_values, torch.Tensor)
-            or len(pixel_values) == len(images)
             or any(k.endswith("_grid_thw") for k in outputs)
         ):
             return outputs
@@ -373,6 +381,26 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
                 "num_image_patches",
                 None,
             )
+        if (
+            counts is not None
+            and pixel_values.ndim >= 5
+            and len(pixel_values) == 1
+            and pixel_values.shape[1] == sum(counts) != len(images)
+        ):
+            # The prompt's tiles, all images', under one leading dimension for
+            # the prompt (Idefics3's [prompts, tiles, channels, height, width]):
+            # without it, each image's tiles are rows as above, and the model
+            # gets the dimension back (`TILES_IN_PROMPT`).
+            for key, value in list(outputs.items()):
+                if isinstance(value, torch.Tensor) and value.shape[:2] == (
+                    1,
+                    sum(counts),
+                ):
+                    outputs[key] = value[0]
+            outputs[TILES_IN_PROMPT] = torch.ones(len(images), dtype=torch.bool)
+            pixel_values = outputs["pixel_values"]
+        if len(pixel_values) == len(images):
+            return outputs
         if counts is None or sum(counts) != len(pixel_values):
             raise ValueError(
                 f"{type(processor).__name__} returns {len(pixel_values)} rows of "
@@ -540,17 +568,30 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
         if not any(v is not None for v in kwargs.values()):
             return []
         tiles = kwargs.pop(TILES, None)
-        pixel_values = kwargs.get("pixel_values")
-        if isinstance(pixel_values, list):  # images of one size come stacked
-            join = torch.cat if tiles is not None else torch.stack
-            kwargs["pixel_values"] = join(pixel_values)
+        in_prompt = kwargs.pop(TILES_IN_PROMPT, None) is not None
+        counts: list[int] = []
+        if tiles is not None:
+            tiles = tiles if isinstance(tiles, list) else tiles.flatten()
+            counts = [int(n) for n in tiles]
+            # Each image's tiles, one after another (and under one prompt).
+            for key, value in kwargs.items():
+                if isinstance(value, list) and value:
+                    value = torch.cat(value)
+                if (
+                    in_prompt
+                    and isinstance(value, torch.Tensor)
+                    and len(value) == sum(counts)
+                ):
+                    value = value[None]
+                kwargs[key] = value
+        elif isinstance(kwargs.get("pixel_values"), list):
+            # Images of one size come stacked.
+            kwargs["pixel_values"] = torch.stack(kwargs["pixel_values"])
         with torch.no_grad():
             features = _image_features(self.model, **kwargs)
         if tiles is None:
             return features
         # One embedding per tile: each image's tiles in order, as it writes them.
-        tiles = tiles if isinstance(tiles, list) else tiles.flatten()
-        counts = [int(n) for n in tiles]
         if len(features) != sum(counts):
             raise ValueError(
                 f"{len(features)} tiles' features for images of {counts} tiles"
