@@ -164,6 +164,22 @@ RECIPES: dict[str, Recipe] = {
         ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
         "<image>",
     ),
+    # GLM-4V: Qwen2-VL's dynamic resolution and M-RoPE (over half of each head,
+    # `partial_rotary_factor` 0.5), its own vision transformer, a GLM-4 decoder.
+    # Its processor always loads a video processor.
+    "glm4v": Recipe(
+        "glm4v",
+        (
+            "<|begin_of_image|>",
+            "<|end_of_image|>",
+            "<|image|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+            "<|video|>",
+        ),
+        "<|begin_of_image|> <|image|> <|end_of_image|>",
+        video_processor=dict(QWEN_VL_PATCHES, video_processor_type="Glm4vVideoProcessor"),
+    ),
     # Qwen3-VL: Qwen2-VL's layout (interleaved M-RoPE), a vision transformer with
     # learned position embeddings whose intermediate features ("deepstack") are
     # added to the image tokens' hidden states in the first decoder layers.
@@ -387,6 +403,38 @@ def config(recipe: Recipe):
             image_token_id=tid("<image>"),
             scale_factor=2,
             pad_token_id=tiny.PAD_ID,
+        )
+    if recipe.model_type == "glm4v":
+        return AutoConfig.for_model(
+            "glm4v",
+            text_config=dict(
+                text,
+                model_type="glm4v_text",
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=10000.0,
+                    partial_rotary_factor=0.5,
+                    mrope_section=[2, 3, 3],
+                ),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=2,
+                image_size=32,
+                patch_size=QWEN_VL_PATCHES["patch_size"],
+                spatial_merge_size=QWEN_VL_PATCHES["merge_size"],
+                temporal_patch_size=QWEN_VL_PATCHES["temporal_patch_size"],
+                out_hidden_size=TEXT["hidden_size"],
+                initializer_range=0.1,
+            ),
+            image_token_id=tid("<|image|>"),
+            video_token_id=tid("<|video|>"),
+            image_start_token_id=tid("<|begin_of_image|>"),
+            image_end_token_id=tid("<|end_of_image|>"),
+            video_start_token_id=tid("<|begin_of_video|>"),
+            video_end_token_id=tid("<|end_of_video|>"),
         )
     if recipe.model_type == "aya_vision":
         return AutoConfig.for_model(
@@ -614,6 +662,7 @@ def processor_class(recipe: Recipe):
         llava_next=t.LlavaNextProcessor,
         llava_onevision=t.LlavaOnevisionProcessor,
         idefics3=t.Idefics3Processor,
+        glm4v=t.Glm4vProcessor,
         aya_vision=t.AyaVisionProcessor,
         internvl=t.InternVLProcessor,
         gemma3=t.Gemma3Processor,
@@ -675,6 +724,14 @@ def make_processor(recipe: Recipe, tokenizer):
             num_image_tokens=16,
             vision_feature_select_strategy="full",
             chat_template=template,
+        )
+    if recipe.model_type == "glm4v":
+        images = t.Glm4vImageProcessorPil(
+            **QWEN_VL_PATCHES,
+            size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+        )
+        return processor_class(recipe)(
+            image_processor=images, tokenizer=tokenizer, chat_template=template
         )
     if recipe.model_type == "idefics3":
         images = t.Idefics3ImageProcessorPil(
