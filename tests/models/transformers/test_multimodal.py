@@ -361,6 +361,56 @@ def test_tiles_features_are_joined_per_image(build_backend, name):
     assert torch.allclose(features[1], last, atol=1e-6)
 
 
+def test_processor_that_refuses_text_without_an_image_is_refused(tmp_path):
+    """PaliGemma's processor refuses a text without an image and rewrites the
+    text of one; the backend cannot tell what it writes for an image, and says so
+    when vLLM's engine first asks (it failed with the processor's bare "`images`
+    are expected")."""
+    import transformers as t
+    from transformers import AutoConfig
+
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    recipe = tiny_multimodal.Recipe("paligemma", ("<image>",), "<image>")
+    tokenizer = tiny_multimodal.make_tokenizer(recipe)
+    config = AutoConfig.for_model(
+        "paligemma",
+        architectures=["PaliGemmaForConditionalGeneration"],
+        text_config=dict(
+            tiny_multimodal.TEXT,
+            model_type="gemma",
+            vocab_size=tiny.VOCAB_SIZE + 1,
+            head_dim=32,
+        ),
+        vision_config=dict(
+            tiny_multimodal.CLIP_32, model_type="siglip_vision_model"
+        ),
+        image_token_index=tiny.VOCAB_SIZE,
+        projection_dim=128,
+        hidden_size=128,
+    )
+    config.save_pretrained(tmp_path)
+    images = t.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16
+    t.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(
+        tmp_path
+    )
+    model_config = ModelConfig(
+        model=str(tmp_path), model_impl="transformers", dtype="float32"
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
+    with pytest.raises(ValueError) as error:
+        MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+    assert str(error.value).startswith(
+        "PaliGemmaProcessor does not process a text without an image (`images` "
+        "are expected"
+    )
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 

@@ -266,7 +266,21 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         """What the processor adds before and after a text without images."""
         processor = self.get_hf_processor()
         word = self.get_tokenizer().encode(PROBE_WORD, add_special_tokens=False)
-        ids = list(processor(text=PROBE_WORD, add_special_tokens=False)["input_ids"][0])
+        try:
+            outputs = processor(text=PROBE_WORD, add_special_tokens=False)
+        except ValueError as error:
+            # PaliGemma's processor refuses a text without an image, and rewrites
+            # the text of one (a `<s>` after the images, a newline after the
+            # text), which vLLM's own tokenization of the prompt would not do.
+            raise ValueError(
+                f"{type(processor).__name__} does not process a text without an "
+                f"image ({error}), so the backend cannot tell what it writes "
+                "around a prompt's text and what for an image: this backend "
+                "expands each image placeholder in the prompt as the processor "
+                "does and tokenizes the rest itself, and serves only models whose "
+                "processor does no more."
+            ) from error
+        ids = list(outputs["input_ids"][0])
         start = next(
             (i for i in range(len(ids)) if ids[i : i + len(word)] == word), None
         )
