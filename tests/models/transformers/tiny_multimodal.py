@@ -178,7 +178,9 @@ RECIPES: dict[str, Recipe] = {
             "<|video|>",
         ),
         "<|begin_of_image|> <|image|> <|end_of_image|>",
-        video_processor=dict(QWEN_VL_PATCHES, video_processor_type="Glm4vVideoProcessor"),
+        video_processor=dict(
+            QWEN_VL_PATCHES, video_processor_type="Glm4vVideoProcessor"
+        ),
     ),
     # Qwen3-VL: Qwen2-VL's layout (interleaved M-RoPE), a vision transformer with
     # learned position embeddings whose intermediate features ("deepstack") are
@@ -187,7 +189,9 @@ RECIPES: dict[str, Recipe] = {
         "qwen3_vl",
         QWEN_VL_TOKENS,
         QWEN_VL_PLACEHOLDER,
-        video_processor=dict(QWEN_VL_PATCHES, video_processor_type="Qwen3VLVideoProcessor"),
+        video_processor=dict(
+            QWEN_VL_PATCHES, video_processor_type="Qwen3VLVideoProcessor"
+        ),
     ),
     # Aya Vision: the picture cut into up to 4 tiles of 32 px and a thumbnail
     # (GOT-OCR2's image processor), each through a SigLIP tower, pixel-shuffled
