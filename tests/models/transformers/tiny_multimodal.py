@@ -23,6 +23,7 @@ Command line (the engine runner uses it):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -163,6 +164,14 @@ RECIPES: dict[str, Recipe] = {
         "idefics3",
         ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
         "<image>",
+    ),
+    # SmolVLM: Idefics3's layout; its processor always loads a video processor
+    # and needs the `num2words` package (not installed by setup_env.sh).
+    "smolvlm": Recipe(
+        "smolvlm",
+        ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
+        "<image>",
+        video_processor=dict(video_processor_type="SmolVLMVideoProcessor"),
     ),
     # GLM-4V: Qwen2-VL's dynamic resolution and M-RoPE (over half of each head,
     # `partial_rotary_factor` 0.5), its own vision transformer, a GLM-4 decoder.
@@ -397,12 +406,14 @@ def config(recipe: Recipe):
             vision_feature_select_strategy="full",
             vision_feature_layer=-1,
         )
-    if recipe.model_type == "idefics3":
+    if recipe.model_type in ("idefics3", "smolvlm"):
         return AutoConfig.for_model(
-            "idefics3",
+            recipe.model_type,
             text_config=dict(text, model_type="llama"),
             vision_config=dict(
-                CLIP_32, model_type="idefics3_vision", num_hidden_layers=2
+                CLIP_32,
+                model_type=f"{recipe.model_type}_vision",
+                num_hidden_layers=2,
             ),
             image_token_id=tid("<image>"),
             scale_factor=2,
@@ -666,6 +677,7 @@ def processor_class(recipe: Recipe):
         llava_next=t.LlavaNextProcessor,
         llava_onevision=t.LlavaOnevisionProcessor,
         idefics3=t.Idefics3Processor,
+        smolvlm=t.SmolVLMProcessor,
         glm4v=t.Glm4vProcessor,
         aya_vision=t.AyaVisionProcessor,
         internvl=t.InternVLProcessor,
@@ -737,13 +749,20 @@ def make_processor(recipe: Recipe, tokenizer):
         return processor_class(recipe)(
             image_processor=images, tokenizer=tokenizer, chat_template=template
         )
-    if recipe.model_type == "idefics3":
-        images = t.Idefics3ImageProcessorPil(
+    if recipe.model_type in ("idefics3", "smolvlm"):
+        pil = dict(
+            idefics3=t.Idefics3ImageProcessorPil, smolvlm=t.SmolVLMImageProcessorPil
+        )[recipe.model_type]
+        images = pil(
             size={"longest_edge": 64},
             max_image_size={"longest_edge": 32},
             do_image_splitting=True,
         )
-        return t.Idefics3Processor(
+        cls = processor_class(recipe)
+        if recipe.video_processor is not None:
+            # Built without one: SmolVLM's `__init__` takes it by position.
+            cls = functools.partial(cls, video_processor=None)
+        return cls(
             image_processor=images,
             tokenizer=tokenizer,
             image_seq_len=4,
