@@ -297,19 +297,27 @@ and a thumbnail; Idefics3's 2x2 of its picture resized to 64 px, and a global
 view."""
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "not counted"])
 @pytest.mark.parametrize("name", list(TILED))
-def test_tiles_of_each_image_are_its_own(name):
+def test_tiles_of_each_image_are_its_own(name, counted, monkeypatch):
     """InternVL's processor (GOT-OCR2's image processor) returns every image's
     tiles one after another, Idefics3's the same under one leading dimension for
     the prompt; vLLM must get each image's own tiles (InternVL's were taken one
     row per image, and the engine died assigning 8 image embeddings to 24 image
     tokens). Each image's rows are its tiles, as the processor makes them for that
     image alone. Idefics3's pictures of up to 64 px a side are profiled at 64x64
-    (the backend found no size to profile with and refused the model)."""
+    (the backend found no size to profile with and refused the model). A processor
+    that does not count each image's tiles (`_get_num_multimodal_tokens`:
+    SmolVLM's, Idefics3's layout, has none) gets them counted by its image
+    processor, one image at a time (it was refused)."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     path = checkpoint(name)
+    if not counted:
+        cls = tiny_multimodal.processor_class(tiny_multimodal.RECIPES[name])
+        (owner,) = [c for c in cls.__mro__ if "_get_num_multimodal_tokens" in vars(c)]
+        monkeypatch.delattr(owner, "_get_num_multimodal_tokens")
     model_config = ModelConfig(
         model=str(path), model_impl="transformers", dtype="float32"
     )

@@ -292,6 +292,17 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
             )
         return ids[:start], ids[start + len(word) :]
 
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one info per processor
+    def tiles_under_prompt(self) -> bool:
+        """Whether the image processor puts all of a prompt's images (their tiles)
+        under one leading dimension for the prompt, as Idefics3's does: asked with
+        two pictures, which it then returns under a dimension of one."""
+        images = self.get_hf_processor().image_processor
+        size = self.image_size_with_most_features()
+        pictures = [Image.new("RGB", (size.width, size.height))] * 2
+        pixel_values = images(pictures, return_tensors="pt")["pixel_values"]
+        return torch.as_tensor(pixel_values).ndim >= 5 and len(pixel_values) == 1
+
     def image_size_with_most_features(self) -> ImageSize:
         """The largest image the processor keeps as it is: its fixed size (a crop
         or a resize), or the square filling its pixel budget (dynamic resolution)."""
@@ -387,6 +398,13 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         ):
             return outputs
         processor = self.info.get_hf_processor(**hf_kwargs)
+        in_prompt = (
+            pixel_values.ndim >= 5
+            and len(pixel_values) == 1
+            and self.info.tiles_under_prompt()
+        )
+        if not in_prompt and len(pixel_values) == len(images):
+            return outputs
         sizes = [_height_width(image) for image in images]
         counts = None
         if hasattr(processor, "_get_num_multimodal_tokens"):
@@ -395,12 +413,11 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
                 "num_image_patches",
                 None,
             )
-        if (
-            counts is not None
-            and pixel_values.ndim >= 5
-            and len(pixel_values) == 1
-            and pixel_values.shape[1] == sum(counts) != len(images)
-        ):
+        if counts is None:
+            # A processor that does not say (SmolVLM's): each image's rows
+            # when its image processor is given that image alone.
+            counts = [_rows_alone(processor, i, in_prompt) for i in images]
+        if in_prompt and pixel_values.shape[1] == sum(counts):
             # The prompt's tiles, all images', under one leading dimension for
             # the prompt (Idefics3's [prompts, tiles, channels, height, width]):
             # without it, each image's tiles are rows as above, and the model
@@ -413,14 +430,14 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
                     outputs[key] = value[0]
             outputs[TILES_IN_PROMPT] = torch.ones(len(images), dtype=torch.bool)
             pixel_values = outputs["pixel_values"]
-        if len(pixel_values) == len(images):
+        elif len(pixel_values) == len(images):
             return outputs
-        if counts is None or sum(counts) != len(pixel_values):
+        if sum(counts) != len(pixel_values):
             raise ValueError(
                 f"{type(processor).__name__} returns {len(pixel_values)} rows of "
-                f"`pixel_values` for {len(images)} images and does not say how many "
-                f"are each image's (its `_get_num_multimodal_tokens` gives {counts}): "
-                "the backend cannot tell which tiles are which image's."
+                f"`pixel_values` ({tuple(outputs['pixel_values'].shape)}) for "
+                f"{len(images)} images, not as many as their tiles ({counts}): the "
+                "backend cannot tell which tiles are which image's."
             )
         outputs[TILES] = torch.tensor(counts)
         return outputs
@@ -472,6 +489,15 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
             return PromptUpdateDetails.select_token_id(tokens, image_token_id)
 
         return [PromptReplacement(IMAGE, [target], replacement)]
+
+
+def _rows_alone(processor: ProcessorMixin, image: object, in_prompt: bool) -> int:
+    """How many rows of `pixel_values` the processor's image processor gives
+    `image` alone: its tiles (under a leading dimension for the prompt where
+    `in_prompt`)."""
+    alone = processor.image_processor([image], return_tensors="pt")["pixel_values"]
+    alone = torch.as_tensor(alone)
+    return int(alone.shape[1] if in_prompt else len(alone))
 
 
 def _height_width(image: object) -> tuple[int, int]:
