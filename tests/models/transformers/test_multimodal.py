@@ -270,6 +270,164 @@ def test_processor_without_its_video_processor(tmp_path):
     assert "Unrecognized image processor" in str(error.value.__cause__)
 
 
+def test_an_image_sent_again_is_expanded_from_the_cache():
+    """vLLM's processor cache keeps each image's processed inputs and asks the
+    backend for the prompt updates of the images it misses only: a prompt whose
+    images were all seen before has none missing, and is expanded as the first
+    time (it failed, `Modality 'image' not found`). Also an image cached beside a
+    new one."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.cache.base import MultiModalProcessorOnlyCache
+
+    model_config = ModelConfig(
+        model=str(checkpoint("llava")), model_impl="transformers", dtype="float32"
+    )
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    cache = MultiModalProcessorOnlyCache(model_config)
+    old, new = tiny_multimodal.RED, tiny_multimodal.WIDE
+
+    def expand(prompt: str, images: list[tiny_multimodal.Image]) -> list[int]:
+        data = {"image": [i.pil() for i in images]}
+        items = processor.data_parser.parse_mm_data(data)
+        return processor(prompt, items, cache=cache)["prompt_token_ids"]
+
+    first = expand("the cat <image> near", [old])
+    assert expand("the cat <image> near", [old]) == first  # every image cached
+    both = expand("<image> one <image> two", [new, old])  # one cached, one not
+    image = processor.info.image_token_id()
+    assert first.count(image) == 16 and both.count(image) == 32
+    assert both == expand("<image> one <image> two", [new, old])
+
+
+TILED = {"internvl": (3, 3), "idefics3": (5, 5)}
+"""Tiles of the two pictures of "two images" (48x32 and 32x48 px): InternVL's two
+and a thumbnail; Idefics3's 2x2 of its picture resized to 64 px, and a global
+view."""
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "not counted"])
+@pytest.mark.parametrize("name", list(TILED))
+def test_tiles_of_each_image_are_its_own(name, counted, monkeypatch):
+    """InternVL's processor (GOT-OCR2's image processor) returns every image's
+    tiles one after another, Idefics3's the same under one leading dimension for
+    the prompt; vLLM must get each image's own tiles (InternVL's were taken one
+    row per image, and the engine died assigning 8 image embeddings to 24 image
+    tokens). Each image's rows are its tiles, as the processor makes them for that
+    image alone. Idefics3's pictures of up to 64 px a side are profiled at 64x64
+    (the backend found no size to profile with and refused the model). A processor
+    that does not count each image's tiles (`_get_num_multimodal_tokens`:
+    SmolVLM's, Idefics3's layout, has none) gets them counted by its image
+    processor, one image at a time (it was refused)."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    path = checkpoint(name)
+    if not counted:
+        cls = tiny_multimodal.processor_class(tiny_multimodal.RECIPES[name])
+        (owner,) = [c for c in cls.__mro__ if "_get_num_multimodal_tokens" in vars(c)]
+        monkeypatch.delattr(owner, "_get_num_multimodal_tokens")
+    model_config = ModelConfig(
+        model=str(path), model_impl="transformers", dtype="float32"
+    )
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    request = tiny_multimodal.REQUESTS["two images"]
+    pictures = [i.pil() for i in request.images]
+    items = processor.data_parser.parse_mm_data({"image": pictures})
+    prompt = request.prompt(tiny_multimodal.RECIPES[name])
+    out = processor(prompt, items)
+    assert out["prompt_token_ids"] == reference(name)["two images"].prompt_ids
+    alone = processor.info.get_hf_processor().image_processor
+    images = out["mm_kwargs"]["image"]
+    assert len(images) == 2
+    for picture, item, tiles in zip(pictures, images, TILED[name]):
+        want = torch.as_tensor(alone([picture], return_tensors="pt")["pixel_values"])
+        want = want[0] if name == "idefics3" else want  # the prompt's dimension
+        assert len(want) == tiles
+        assert torch.equal(item["pixel_values"].data, want)
+    size = processor.info.image_size_with_most_features()
+    side = 32 if name == "internvl" else 64
+    assert (size.width, size.height) == (side, side)
+
+
+@pytest.mark.parametrize("name", list(TILED))
+def test_tiles_features_are_joined_per_image(build_backend, name):
+    """The vision tower gives one embedding per tile; vLLM wants one per image:
+    each image's tiles, in order (4 tokens a tile here), the same as for that
+    image alone. Idefics3's tower gets the prompt's dimension back."""
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES[name])
+    config.architectures = [
+        type(config).__name__.replace("Config", "ForConditionalGeneration")
+    ]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    torch.manual_seed(0)
+    with torch.no_grad():  # built without weights: seeded ones for the tower
+        for child in model.report.kept:
+            for param in model.model.get_submodule(child).parameters():
+                param.normal_(0, 0.1)
+    pixels = [torch.randn(3, 3, 32, 32), torch.randn(2, 3, 32, 32)]
+    tiles = torch.tensor([3, 2])
+    kwargs = dict(pixel_values=pixels, num_image_tiles=tiles)
+    if name == "idefics3":
+        kwargs["pixel_attention_mask"] = [torch.ones(len(p), 32, 32) for p in pixels]
+        kwargs["image_tiles_in_prompt"] = torch.ones(2, dtype=torch.bool)
+    features = model.embed_multimodal(**kwargs)
+    assert [f.shape for f in features] == [(12, 128), (8, 128)]
+    alone = {k: v[1:] for k, v in kwargs.items()}
+    (last,) = model.embed_multimodal(**alone)
+    assert torch.allclose(features[1], last, atol=1e-6)
+
+
+def test_processor_that_refuses_text_without_an_image_is_refused(tmp_path):
+    """PaliGemma's processor refuses a text without an image and rewrites the
+    text of one; the backend cannot tell what it writes for an image, and says so
+    when vLLM's engine first asks (it failed with the processor's bare "`images`
+    are expected")."""
+    import transformers as t
+    from transformers import AutoConfig
+
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.encoder_budget import MultiModalBudget
+
+    recipe = tiny_multimodal.Recipe("paligemma", ("<image>",), "<image>")
+    tokenizer = tiny_multimodal.make_tokenizer(recipe)
+    config = AutoConfig.for_model(
+        "paligemma",
+        architectures=["PaliGemmaForConditionalGeneration"],
+        text_config=dict(
+            tiny_multimodal.TEXT,
+            model_type="gemma",
+            vocab_size=tiny.VOCAB_SIZE + 1,
+            head_dim=32,
+        ),
+        vision_config=dict(
+            tiny_multimodal.CLIP_32, model_type="siglip_vision_model"
+        ),
+        image_token_index=tiny.VOCAB_SIZE,
+        projection_dim=128,
+        hidden_size=128,
+    )
+    config.save_pretrained(tmp_path)
+    images = t.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16
+    t.PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(
+        tmp_path
+    )
+    model_config = ModelConfig(
+        model=str(tmp_path), model_impl="transformers", dtype="float32"
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig("cpu")
+    )
+    with pytest.raises(ValueError) as error:
+        MultiModalBudget(vllm_config, MULTIMODAL_REGISTRY)
+    assert str(error.value).startswith(
+        "PaliGemmaProcessor does not process a text without an image (`images` "
+        "are expected"
+    )
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 
@@ -360,6 +518,43 @@ def test_moe_decoder_behind_a_vision_tower(build_backend):
     for name in report.kept:
         tower = model.model.get_submodule(name)
         assert not any(isinstance(m, LinearBase) for m in tower.modules()), name
+
+
+def test_llava_next_forward_filled_from_its_config_is_read(build_backend):
+    """LLaVA-NeXT's `forward` is wrapped by Transformers' `merge_with_config_defaults`,
+    which fills `vision_feature_layer` from the config unless it is passed by name
+    (it cannot see it among positional arguments through the wrapper under it):
+    the backend reads the logits from that forward and builds the model (it
+    refused it, `got multiple values for argument 'vision_feature_layer'`)."""
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["llava_next"])
+    config.architectures = ["LlavaNextForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    assert model.report.servable and len(model.report.attention) == 4
+    assert set(model.report.kept) == {"vision_tower", "multi_modal_projector"}
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_vl"])
+def test_image_features_beyond_the_embeddings_are_refused(build_backend, name):
+    """Qwen3-VL's `get_image_features` also returns `deepstack_features`, which its
+    decoder adds to the image tokens' hidden states in its first layers; the
+    backend hands the decoder the embeddings only, so it refuses the image (it
+    answered without them: other greedy tokens, log-probs off by 1.1). Qwen2-VL's
+    tower returns the embeddings only and is served."""
+    recipe = tiny_multimodal.RECIPES[name]
+    config = tiny_multimodal.config(recipe)
+    architecture = type(config).__name__.replace("Config", "ForConditionalGeneration")
+    config.architectures = [architecture]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    patch = tiny_multimodal.QWEN_VL_PATCHES
+    grid = torch.tensor([[1, 4, 4]])  # a 32x32 picture: 4x4 patches of 8 px
+    width = 3 * patch["temporal_patch_size"] * patch["patch_size"] ** 2
+    pixels = torch.randn(int(grid.prod()), width)
+    if name == "qwen3_vl":
+        with pytest.raises(NotImplementedError, match="returns `deepstack_features`"):
+            model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
+    else:
+        (features,) = model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
+        assert features.shape == (4, config.text_config.hidden_size)
 
 
 # --- an audio model: text only, its audio refused clearly ----------------------------

@@ -16,6 +16,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 from transformers.pytorch_utils import Conv1D
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 
 from configs import small_config
 
@@ -87,6 +88,31 @@ def test_a_trace_stopped_by_an_optional_input_is_retried_without_it():
     # A Conv1D is a linear whose output width is its `nf`.
     assert fx_utils.value(fx_utils.returned(traced.graph)).shape[-1] == 12
     assert fx_utils.is_linear(fx_utils.returned(traced.graph), OptionalBranch())
+
+
+class ConfigDefaults(nn.Module):
+    """A forward under Transformers' `merge_with_config_defaults` over another
+    wrapper (LLaVA-NeXT's): an input the caller does not name is filled from the
+    config, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(vision_feature_layer=-2, return_dict=True)
+        self.proj = nn.Linear(8, 8)
+
+    @merge_with_config_defaults
+    @can_return_tuple
+    def forward(self, x, vision_feature_layer: int | None = None, scale: float = 2.0):
+        return self.proj(x) * scale
+
+
+def test_inputs_after_the_first_are_passed_by_name():
+    """Passed positionally, `vision_feature_layer` reached the forward twice (the
+    decorator adds it by name, not seeing it through the wrapper under it)."""
+    traced = trace(ConfigDefaults())
+    assert traced.complete, traced.stopped
+    (scaled,) = [n for n in traced.graph.nodes if n.target is operator.mul]
+    assert scaled.args[1] == 2.0  # a non-`None` default still reaches the forward
 
 
 def test_the_attention_interface_call_is_one_opaque_node():

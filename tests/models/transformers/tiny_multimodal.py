@@ -23,6 +23,7 @@ Command line (the engine runner uses it):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -143,6 +144,90 @@ RECIPES: dict[str, Recipe] = {
         "<image>",
         engine_prefix=f"{tiny.BOS} ",
     ),
+    # LLaVA-NeXT ("anyres"): the picture resized onto the best of a few grids of
+    # 32 px tiles, each tile and a 32 px overview through the CLIP tower, the tiles'
+    # features unpadded to the picture's aspect with a newline embedding per row.
+    "llava_next": Recipe("llava_next", ("<image>",), "<image>"),
+    # LLaVA-OneVision: LLaVA-NeXT's tiles (grids up to 2x2 of 32 px) through a
+    # SigLIP tower, every patch kept, a Qwen2 decoder. Its processor always loads
+    # a video processor.
+    "llava_onevision": Recipe(
+        "llava_onevision",
+        ("<image>", "<video>"),
+        "<image>",
+        video_processor=dict(video_processor_type="LlavaOnevisionVideoProcessor"),
+    ),
+    # Idefics3: the picture split into 32 px tiles and a 32 px global view, each
+    # through a SigLIP-like tower, pixel-shuffled 2x2, a Llama decoder; tiles
+    # written between `<fake_token_around_image>` with their row and column.
+    "idefics3": Recipe(
+        "idefics3",
+        ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
+        "<image>",
+    ),
+    # SmolVLM: Idefics3's layout; its processor always loads a video processor
+    # and needs the `num2words` package (not installed by setup_env.sh).
+    "smolvlm": Recipe(
+        "smolvlm",
+        ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"),
+        "<image>",
+        video_processor=dict(video_processor_type="SmolVLMVideoProcessor"),
+    ),
+    # GLM-4V: Qwen2-VL's dynamic resolution and M-RoPE (over half of each head,
+    # `partial_rotary_factor` 0.5), its own vision transformer, a GLM-4 decoder.
+    # Its processor always loads a video processor.
+    "glm4v": Recipe(
+        "glm4v",
+        (
+            "<|begin_of_image|>",
+            "<|end_of_image|>",
+            "<|image|>",
+            "<|begin_of_video|>",
+            "<|end_of_video|>",
+            "<|video|>",
+        ),
+        "<|begin_of_image|> <|image|> <|end_of_image|>",
+        video_processor=dict(
+            QWEN_VL_PATCHES, video_processor_type="Glm4vVideoProcessor"
+        ),
+    ),
+    # Qwen3-VL: Qwen2-VL's layout (interleaved M-RoPE), a vision transformer with
+    # learned position embeddings whose intermediate features ("deepstack") are
+    # added to the image tokens' hidden states in the first decoder layers.
+    "qwen3_vl": Recipe(
+        "qwen3_vl",
+        QWEN_VL_TOKENS,
+        QWEN_VL_PLACEHOLDER,
+        video_processor=dict(
+            QWEN_VL_PATCHES, video_processor_type="Qwen3VLVideoProcessor"
+        ),
+    ),
+    # Aya Vision: the picture cut into up to 4 tiles of 32 px and a thumbnail
+    # (GOT-OCR2's image processor), each through a SigLIP tower, pixel-shuffled
+    # 2x2, a SwiGLU projector, a Cohere 2 decoder (sliding layers, logit scale);
+    # every tile written as its own run of patch tokens.
+    "aya_vision": Recipe(
+        "aya_vision",
+        (
+            "<image>",
+            "<|START_OF_IMG|>",
+            "<|END_OF_IMG|>",
+            "<|IMG_PATCH|>",
+            "<|IMG_LINE_BREAK|>",
+            "TILE",
+            "TILE_GLOBAL",
+        ),
+        "<image>",
+    ),
+    # InternVL: GOT-OCR2's tiles, an InternViT tower, pixel-shuffled 2x2, an MLP
+    # projector, a Qwen2 decoder; `<img>`, the tiles' `<IMG_CONTEXT>` tokens,
+    # `</img>`. Its processor always loads a video processor.
+    "internvl": Recipe(
+        "internvl",
+        ("<img>", "</img>", "<IMG_CONTEXT>", "<video>"),
+        "<IMG_CONTEXT>",
+        video_processor=dict(video_processor_type="InternVLVideoProcessor"),
+    ),
     # VibeVoiceAsr (audio in, text out): two convolutional audio encoders (acoustic,
     # semantic) whose latents a projector sums, one audio token per 3200 samples at
     # 24 kHz, a Qwen2 decoder; the processor expands `<|box_start|>`.
@@ -251,6 +336,26 @@ AUDIO_REQUESTS: dict[str, Request] = {
 """Requests an audio recipe is checked on (clips of 4, 3 and 6 audio tokens)."""
 
 
+CLIP_32: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+    initializer_range=0.1,
+)
+"""A CLIP vision tower on 32 px pictures: 16 patches of 8 px and a class token."""
+
+LLAVA_NEXT_GRIDS = [[32, 64], [64, 32], [64, 64]]
+"""LLaVA-NeXT's tile grids (height, width) in pixels: 1x2, 2x1 and 2x2 tiles of
+32 px."""
+
+
+ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
+"""LLaVA-OneVision's tile grids (height, width) in pixels."""
+
+
 def config(recipe: Recipe):
     """The Transformers config of `recipe`'s tiny model: its vocabulary is `tiny`'s
     words and the recipe's image tokens."""
@@ -277,14 +382,133 @@ def config(recipe: Recipe):
             vision_feature_layer=-2,
             vision_feature_select_strategy="default",
         )
-    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if recipe.model_type == "llava_next":
+        return AutoConfig.for_model(
+            "llava_next",
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(CLIP_32, model_type="clip_vision_model"),
+            image_token_id=tid("<image>"),
+            image_grid_pinpoints=LLAVA_NEXT_GRIDS,
+            projector_hidden_act="gelu",
+            vision_feature_layer=-2,
+            vision_feature_select_strategy="default",
+        )
+    if recipe.model_type == "llava_onevision":
+        return AutoConfig.for_model(
+            "llava_onevision",
+            text_config=dict(text, model_type="qwen2"),
+            vision_config=dict(
+                CLIP_32, model_type="siglip_vision_model", num_hidden_layers=2
+            ),
+            image_token_index=tid("<image>"),
+            video_token_index=tid("<video>"),
+            image_grid_pinpoints=ONEVISION_GRIDS,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+        )
+    if recipe.model_type in ("idefics3", "smolvlm"):
+        return AutoConfig.for_model(
+            recipe.model_type,
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(
+                CLIP_32,
+                model_type=f"{recipe.model_type}_vision",
+                num_hidden_layers=2,
+            ),
+            image_token_id=tid("<image>"),
+            scale_factor=2,
+            pad_token_id=tiny.PAD_ID,
+        )
+    if recipe.model_type == "glm4v":
+        return AutoConfig.for_model(
+            "glm4v",
+            text_config=dict(
+                text,
+                model_type="glm4v_text",
+                rope_parameters=dict(
+                    rope_type="default",
+                    rope_theta=10000.0,
+                    partial_rotary_factor=0.5,
+                    mrope_section=[2, 3, 3],
+                ),
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=2,
+                image_size=32,
+                patch_size=QWEN_VL_PATCHES["patch_size"],
+                spatial_merge_size=QWEN_VL_PATCHES["merge_size"],
+                temporal_patch_size=QWEN_VL_PATCHES["temporal_patch_size"],
+                out_hidden_size=TEXT["hidden_size"],
+                initializer_range=0.1,
+            ),
+            image_token_id=tid("<|image|>"),
+            video_token_id=tid("<|video|>"),
+            image_start_token_id=tid("<|begin_of_image|>"),
+            image_end_token_id=tid("<|end_of_image|>"),
+            video_start_token_id=tid("<|begin_of_video|>"),
+            video_end_token_id=tid("<|end_of_video|>"),
+        )
+    if recipe.model_type == "aya_vision":
+        return AutoConfig.for_model(
+            "aya_vision",
+            text_config=dict(
+                text,
+                model_type="cohere2",
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            ),
+            vision_config=dict(
+                CLIP_32, model_type="siglip_vision_model", num_hidden_layers=2
+            ),
+            image_token_index=tid("<|IMG_PATCH|>"),
+            downsample_factor=2,
+            tie_word_embeddings=False,
+        )
+    if recipe.model_type == "internvl":
+        return AutoConfig.for_model(
+            "internvl",
+            text_config=dict(text, model_type="qwen2"),
+            vision_config=dict(
+                model_type="internvl_vision",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=[32, 32],
+                patch_size=[8, 8],
+                initializer_range=0.1,
+            ),
+            image_token_id=tid("<IMG_CONTEXT>"),
+            image_seq_length=4,
+            downsample_ratio=0.5,
+            tie_word_embeddings=False,
+        )
+    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         patches = dict(
             patch_size=QWEN_VL_PATCHES["patch_size"],
             spatial_merge_size=QWEN_VL_PATCHES["merge_size"],
             temporal_patch_size=QWEN_VL_PATCHES["temporal_patch_size"],
             initializer_range=0.1,
         )
-        if recipe.model_type == "qwen2_vl":
+        text_extra: dict[str, Any] = {}
+        if recipe.model_type == "qwen3_vl":
+            # Qwen3-VL's head size defaults to 128 (its M-RoPE always interleaves
+            # the sections: t, h, w, t, h, w...).
+            text_extra = dict(head_dim=32)
+            vision = dict(
+                patches,
+                depth=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_heads=2,
+                out_hidden_size=TEXT["hidden_size"],
+                num_position_embeddings=64,  # an 8x8 grid, interpolated
+                deepstack_visual_indexes=[0],
+            )
+        elif recipe.model_type == "qwen2_vl":
             vision = dict(
                 patches,
                 depth=2,
@@ -313,6 +537,7 @@ def config(recipe: Recipe):
                 rope_parameters=dict(
                     rope_type="default", rope_theta=10000.0, mrope_section=[4, 6, 6]
                 ),
+                **text_extra,
             ),
             vision_config=vision,
             image_token_id=tid("<|image_pad|>"),
@@ -391,6 +616,12 @@ TOKENIZER_NAMES: dict[str, dict[str, str]] = {
         "eoi_token": "<end_of_image>",
         "image_token": "<image_soft_token>",
     },
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    },
     "emu3": {
         "image_token": "<image>",
         "boi_token": "<|image start|>",
@@ -443,10 +674,18 @@ def processor_class(recipe: Recipe):
 
     cls = dict(
         llava=t.LlavaProcessor,
+        llava_next=t.LlavaNextProcessor,
+        llava_onevision=t.LlavaOnevisionProcessor,
+        idefics3=t.Idefics3Processor,
+        smolvlm=t.SmolVLMProcessor,
+        glm4v=t.Glm4vProcessor,
+        aya_vision=t.AyaVisionProcessor,
+        internvl=t.InternVLProcessor,
         gemma3=t.Gemma3Processor,
         emu3=t.Emu3Processor,
         qwen2_vl=t.Qwen2VLProcessor,
         qwen2_5_vl=t.Qwen2_5_VLProcessor,
+        qwen3_vl=t.Qwen3VLProcessor,
         vibevoice_asr=t.VibeVoiceAsrProcessor,
     )[recipe.model_type]
     return without_video(cls) if recipe.video_processor is not None else cls
@@ -457,7 +696,7 @@ def make_processor(recipe: Recipe, tokenizer):
     import transformers as t
 
     template = tokenizer.chat_template
-    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl"):
+    if recipe.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         # Images of 32x32 to 64x64 px keep their size (multiples of 16 px).
         images = t.Qwen2VLImageProcessorPil(
             **QWEN_VL_PATCHES, min_pixels=32 * 32, max_pixels=64 * 64
@@ -475,6 +714,81 @@ def make_processor(recipe: Recipe, tokenizer):
             patch_size=8,
             vision_feature_select_strategy="default",
             num_additional_image_tokens=1,
+            chat_template=template,
+        )
+    if recipe.model_type == "llava_next":
+        images = t.LlavaNextImageProcessorPil(
+            size={"shortest_edge": 32},
+            crop_size={"height": 32, "width": 32},
+            image_grid_pinpoints=LLAVA_NEXT_GRIDS,
+        )
+        return t.LlavaNextProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            patch_size=8,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=template,
+        )
+    if recipe.model_type == "llava_onevision":
+        images = t.LlavaOnevisionImageProcessorPil(
+            size={"height": 32, "width": 32}, image_grid_pinpoints=ONEVISION_GRIDS
+        )
+        return processor_class(recipe)(
+            image_processor=images,
+            tokenizer=tokenizer,
+            num_image_tokens=16,
+            vision_feature_select_strategy="full",
+            chat_template=template,
+        )
+    if recipe.model_type == "glm4v":
+        images = t.Glm4vImageProcessorPil(
+            **QWEN_VL_PATCHES,
+            size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+        )
+        return processor_class(recipe)(
+            image_processor=images, tokenizer=tokenizer, chat_template=template
+        )
+    if recipe.model_type in ("idefics3", "smolvlm"):
+        pil = dict(
+            idefics3=t.Idefics3ImageProcessorPil, smolvlm=t.SmolVLMImageProcessorPil
+        )[recipe.model_type]
+        images = pil(
+            size={"longest_edge": 64},
+            max_image_size={"longest_edge": 32},
+            do_image_splitting=True,
+        )
+        cls = processor_class(recipe)
+        if recipe.video_processor is not None:
+            # Built without one: SmolVLM's `__init__` takes it by position.
+            cls = functools.partial(cls, video_processor=None)
+        return cls(
+            image_processor=images,
+            tokenizer=tokenizer,
+            image_seq_len=4,
+            chat_template=template,
+        )
+    if recipe.model_type in ("aya_vision", "internvl"):
+        # A 32 px thumbnail, and up to 4 tiles of 32 px when the picture is not
+        # square (GOT-OCR2's image processor).
+        images = t.GotOcr2ImageProcessorPil(
+            size={"height": 32, "width": 32},
+            crop_to_patches=True,
+            min_patches=1,
+            max_patches=4,
+        )
+        if recipe.model_type == "internvl":
+            return processor_class(recipe)(
+                image_processor=images,
+                tokenizer=tokenizer,
+                image_seq_length=4,
+                chat_template=template,
+            )
+        return t.AyaVisionProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            patch_size=16,  # 8 px patches, pixel-shuffled 2x2
+            img_size=32,
             chat_template=template,
         )
     if recipe.model_type == "gemma3":

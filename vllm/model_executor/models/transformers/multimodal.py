@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
+from transformers.image_utils import get_image_size, to_numpy_array
 from transformers.models.auto.processing_auto import (
     PROCESSOR_MAPPING,
     processor_class_from_name,
@@ -85,6 +86,14 @@ TEXT_FIELDS = frozenset(
 )
 """What a processor returns about the text, which vLLM tokenizes itself."""
 
+
+TILES = "num_image_tiles"
+"""The backend's own processor output: how many rows of `pixel_values` (tiles)
+each image has, where a processor returns every image's tiles one after another."""
+
+TILES_IN_PROMPT = "image_tiles_in_prompt"
+"""The backend's own processor output, per image: the model takes its tiles under
+a leading dimension for the prompt, which the backend removed (Idefics3)."""
 
 IMAGE_SUB_PROCESSORS = ("tokenizer", "image_processor")
 """The sub-processors an image request needs."""
@@ -257,7 +266,21 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         """What the processor adds before and after a text without images."""
         processor = self.get_hf_processor()
         word = self.get_tokenizer().encode(PROBE_WORD, add_special_tokens=False)
-        ids = list(processor(text=PROBE_WORD, add_special_tokens=False)["input_ids"][0])
+        try:
+            outputs = processor(text=PROBE_WORD, add_special_tokens=False)
+        except ValueError as error:
+            # PaliGemma's processor refuses a text without an image, and rewrites
+            # the text of one (a `<s>` after the images, a newline after the
+            # text), which vLLM's own tokenization of the prompt would not do.
+            raise ValueError(
+                f"{type(processor).__name__} does not process a text without an "
+                f"image ({error}), so the backend cannot tell what it writes "
+                "around a prompt's text and what for an image: this backend "
+                "expands each image placeholder in the prompt as the processor "
+                "does and tokenizes the rest itself, and serves only models whose "
+                "processor does no more."
+            ) from error
+        ids = list(outputs["input_ids"][0])
         start = next(
             (i for i in range(len(ids)) if ids[i : i + len(word)] == word), None
         )
@@ -268,6 +291,17 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
                 "writes for an image."
             )
         return ids[:start], ids[start + len(word) :]
+
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one info per processor
+    def tiles_under_prompt(self) -> bool:
+        """Whether the image processor puts all of a prompt's images (their tiles)
+        under one leading dimension for the prompt, as Idefics3's does: asked with
+        two pictures, which it then returns under a dimension of one."""
+        images = self.get_hf_processor().image_processor
+        size = self.image_size_with_most_features()
+        pictures = [Image.new("RGB", (size.width, size.height))] * 2
+        pixel_values = images(pictures, return_tensors="pt")["pixel_values"]
+        return torch.as_tensor(pixel_values).ndim >= 5 and len(pixel_values) == 1
 
     def image_size_with_most_features(self) -> ImageSize:
         """The largest image the processor keeps as it is: its fixed size (a crop
@@ -292,6 +326,11 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
                 return ImageSize(
                     width=size["shortest_edge"], height=size["shortest_edge"]
                 )
+            if "longest_edge" in size:
+                # Pictures up to this side (Idefics3's, split into tiles): the
+                # square of that side has the most pixels, so the most tiles.
+                side = size["longest_edge"]
+                return ImageSize(width=side, height=side)
         raise ValueError(
             f"{type(images).__name__}: no size to profile the vision tower with "
             f"(size={getattr(images, 'size', None)})."
@@ -339,26 +378,94 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         # Processors count the placeholders of the text against the images.
         return " ".join([self.info.placeholder()] * mm_counts.get(IMAGE, 0))
 
+    def _call_hf_processor(
+        self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        """The processor's outputs; where it returns the pictures' tiles one after
+        another (`pixel_values` [tiles of every image, ...]: GOT-OCR2's image
+        processor, for InternVL and Aya Vision), also how many tiles each image
+        has (`TILES`), which the processor says only when asked (Transformers'
+        `_get_num_multimodal_tokens`)."""
+        outputs = super()._call_hf_processor(hf_data, hf_kwargs)
+        images = hf_data.get("images") or []
+        if isinstance(images, Image.Image):
+            images = [images]
+        pixel_values = outputs.get("pixel_values")
+        if (
+            not images
+            or not isinstance(pixel_values, torch.Tensor)
+            or any(k.endswith("_grid_thw") for k in outputs)
+        ):
+            return outputs
+        processor = self.info.get_hf_processor(**hf_kwargs)
+        in_prompt = (
+            pixel_values.ndim >= 5
+            and len(pixel_values) == 1
+            and self.info.tiles_under_prompt()
+        )
+        if not in_prompt and len(pixel_values) == len(images):
+            return outputs
+        sizes = [_height_width(image) for image in images]
+        counts = None
+        if hasattr(processor, "_get_num_multimodal_tokens"):
+            counts = getattr(
+                processor._get_num_multimodal_tokens(image_sizes=sizes),
+                "num_image_patches",
+                None,
+            )
+        if counts is None:
+            # A processor that does not say (SmolVLM's): each image's rows
+            # when its image processor is given that image alone.
+            counts = [_rows_alone(processor, i, in_prompt) for i in images]
+        if in_prompt and pixel_values.shape[1] == sum(counts):
+            # The prompt's tiles, all images', under one leading dimension for
+            # the prompt (Idefics3's [prompts, tiles, channels, height, width]):
+            # without it, each image's tiles are rows as above, and the model
+            # gets the dimension back (`TILES_IN_PROMPT`).
+            for key, value in list(outputs.items()):
+                if isinstance(value, torch.Tensor) and value.shape[:2] == (
+                    1,
+                    sum(counts),
+                ):
+                    outputs[key] = value[0]
+            outputs[TILES_IN_PROMPT] = torch.ones(len(images), dtype=torch.bool)
+            pixel_values = outputs["pixel_values"]
+        elif len(pixel_values) == len(images):
+            return outputs
+        if sum(counts) != len(pixel_values):
+            raise ValueError(
+                f"{type(processor).__name__} returns {len(pixel_values)} rows of "
+                f"`pixel_values` ({tuple(outputs['pixel_values'].shape)}) for "
+                f"{len(images)} images, not as many as their tiles ({counts}): the "
+                "backend cannot tell which tiles are which image's."
+            )
+        outputs[TILES] = torch.tensor(counts)
+        return outputs
+
     def _get_mm_fields_config(
         self,
         hf_inputs: BatchFeature,
         hf_processor_mm_kwargs: Mapping[str, object],
     ) -> Mapping[str, MultiModalFieldConfig]:
         """One entry per image (`pixel_values` [images, ...]), except where the
-        processor returns a grid per image (`image_grid_thw`, dynamic resolution):
-        then a field with one row per patch is split by the patches of each grid."""
+        processor returns a grid per image (`image_grid_thw`, dynamic resolution)
+        or tiles per image (`TILES`): then a field with one row per patch or tile
+        is split by each image's count."""
         fields = [k for k in hf_inputs if k not in TEXT_FIELDS]
         grids = [k for k in fields if k.endswith("_grid_thw")]
-        if not grids:
+        if grids:
+            (grid,) = grids
+            rows = torch.as_tensor(hf_inputs[grid]).prod(-1)
+        elif TILES in hf_inputs:
+            grid, rows = TILES, torch.as_tensor(hf_inputs[TILES])
+        else:
             return {k: MultiModalFieldConfig.batched(IMAGE) for k in fields}
-        (grid,) = grids
-        patches = torch.as_tensor(hf_inputs[grid]).prod(-1)
-        total = int(patches.sum())
+        total = int(rows.sum())
         config = {}
         for key in fields:
             value = hf_inputs[key]
             if key != grid and isinstance(value, torch.Tensor) and len(value) == total:
-                config[key] = MultiModalFieldConfig.flat_from_sizes(IMAGE, patches)
+                config[key] = MultiModalFieldConfig.flat_from_sizes(IMAGE, rows)
             else:
                 config[key] = MultiModalFieldConfig.batched(IMAGE)
         return config
@@ -369,17 +476,35 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargsItems,
     ) -> Sequence[PromptUpdate]:
-        images = mm_items.get_items(IMAGE, ImageProcessorItems)
         placeholder = self.info.placeholder()
         target = self.info.get_tokenizer().convert_tokens_to_ids(placeholder)
         image_token_id = self.info.image_token_id()
 
         def replacement(item: int) -> PromptUpdateDetails:
-            size = images.get_image_size(item)
+            # Asked only for items of `mm_items`, which may hold none: vLLM asks
+            # for the updates of the images its cache misses, and a prompt whose
+            # images are all cached (an image sent again) has none missing.
+            size = mm_items.get_items(IMAGE, ImageProcessorItems).get_image_size(item)
             tokens = list(self.info.expansion(size.width, size.height))
             return PromptUpdateDetails.select_token_id(tokens, image_token_id)
 
         return [PromptReplacement(IMAGE, [target], replacement)]
+
+
+def _rows_alone(processor: ProcessorMixin, image: object, in_prompt: bool) -> int:
+    """How many rows of `pixel_values` the processor's image processor gives
+    `image` alone: its tiles (under a leading dimension for the prompt where
+    `in_prompt`)."""
+    alone = processor.image_processor([image], return_tensors="pt")["pixel_values"]
+    alone = torch.as_tensor(alone)
+    return int(alone.shape[1] if in_prompt else len(alone))
+
+
+def _height_width(image: object) -> tuple[int, int]:
+    """An image's (height, width), as Transformers' processors take sizes."""
+    if isinstance(image, Image.Image):
+        return image.height, image.width
+    return tuple(get_image_size(to_numpy_array(image)))
 
 
 def _image_features(model: PreTrainedModel, **inputs: Any) -> list[torch.Tensor]:
@@ -395,7 +520,38 @@ def _image_features(model: PreTrainedModel, **inputs: Any) -> list[torch.Tensor]
     kwargs = {k: v for k, v in inputs.items() if k in accepted and v is not None}
     output = get_image_features(**kwargs, return_dict=True)
     features = output.pooler_output
+    width = features[0].shape[-1]
+    for name, value in output.items():
+        if name in _ENCODER_OUTPUTS or not any(
+            t.is_floating_point() and t.ndim > 0 and t.shape[-1] == width
+            for t in _tensors(value)
+        ):
+            continue
+        raise NotImplementedError(
+            f"{type(model).__name__}.get_image_features returns `{name}` beside the "
+            "image tokens' embeddings (`pooler_output`): features of the decoder's "
+            f"width ({width}) that its forward uses besides the embeddings (Qwen3-VL "
+            "adds its `deepstack_features` to the image tokens' hidden states in its "
+            "first decoder layers). This backend hands the decoder the embeddings "
+            "only, so it refuses the image rather than answer without them."
+        )
     return [f.reshape(-1, f.shape[-1]) for f in features]
+
+
+_ENCODER_OUTPUTS = frozenset(
+    {"pooler_output", "last_hidden_state", "hidden_states", "attentions"}
+)
+"""What any vision tower's output holds (the embeddings and the tower's own states)."""
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in `value`, inside lists and tuples (not inside another model
+    output: a tower's or a Q-Former's own, kept whole beside the embeddings)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
@@ -451,11 +607,37 @@ class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
         if not any(v is not None for v in kwargs.values()):
             return []
-        pixel_values = kwargs.get("pixel_values")
-        if isinstance(pixel_values, list):  # images of one size come stacked
-            kwargs["pixel_values"] = torch.stack(pixel_values)
+        tiles = kwargs.pop(TILES, None)
+        in_prompt = kwargs.pop(TILES_IN_PROMPT, None) is not None
+        counts: list[int] = []
+        if tiles is not None:
+            tiles = tiles if isinstance(tiles, list) else tiles.flatten()
+            counts = [int(n) for n in tiles]
+            # Each image's tiles, one after another (and under one prompt).
+            for key, value in kwargs.items():
+                if isinstance(value, list) and value:
+                    value = torch.cat(value)
+                if (
+                    in_prompt
+                    and isinstance(value, torch.Tensor)
+                    and len(value) == sum(counts)
+                ):
+                    value = value[None]
+                kwargs[key] = value
+        elif isinstance(kwargs.get("pixel_values"), list):
+            # Images of one size come stacked.
+            kwargs["pixel_values"] = torch.stack(kwargs["pixel_values"])
         with torch.no_grad():
-            return _image_features(self.model, **kwargs)
+            features = _image_features(self.model, **kwargs)
+        if tiles is None:
+            return features
+        # One embedding per tile: each image's tiles in order, as it writes them.
+        if len(features) != sum(counts):
+            raise ValueError(
+                f"{len(features)} tiles' features for images of {counts} tiles"
+            )
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        return [torch.cat(features[a : a + n]) for a, n in zip(starts, counts)]
 
     def get_language_model(self) -> "MultiModalMixin":
         # One model: the decoder is not a separate vLLM model here.

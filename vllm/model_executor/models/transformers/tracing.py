@@ -206,7 +206,12 @@ class _DataflowTracer(fx.Tracer):
         non-`None` default gets it (flags such as `use_cache=False`); an input
         defaulting to `None` whose annotation names no tensor (a cache) gets `None`,
         and so does every input defaulting to `None` under `optional_as_none`;
-        `*args` and `**kwargs` are empty."""
+        `*args` and `**kwargs` are empty. Inputs after the first are passed by name,
+        as Transformers' callers pass them: a decorator that fills an input from
+        the config when it was not passed (`merge_with_config_defaults`: LLaVA-NeXT's
+        `vision_feature_layer`) looks for it among the keywords and, where it wraps
+        another wrapper, cannot see it among the positional arguments, so it would
+        be given twice."""
         signature = inspect.signature(inspect.unwrap(root_fn))
         parameters = list(signature.parameters.values())[1:]
         positional: list[Any] = []
@@ -229,7 +234,9 @@ class _DataflowTracer(fx.Tracer):
                 value = parameter.default
             else:
                 value = self.create_proxy("placeholder", parameter.name, (), {})
-            if parameter.kind == parameter.KEYWORD_ONLY:
+            if parameter.kind == parameter.KEYWORD_ONLY or (
+                index > 0 and parameter.kind != parameter.POSITIONAL_ONLY
+            ):
                 keywords[parameter.name] = value
             else:
                 positional.append(value)
