@@ -155,9 +155,13 @@ def assert_same_routing(expected, actual, roles) -> None:
         rtol=1e-5,
         atol=1e-6,
     )
+    # The weights' dtype too: in bfloat16 the experts weigh with them rounded to
+    # it (Qwen3, gpt-oss) or not (Mixtral, DeepSeek-V3), as Transformers' router.
+    assert actual[weights].dtype == expected[weights].dtype
+    # vLLM's linear on the CPU sums in another order than `F.linear`.
     logits = roles.index("logits")
     torch.testing.assert_close(
-        actual[logits].double(), expected[logits].double(), rtol=1e-6, atol=1e-6
+        actual[logits].double(), expected[logits].double(), rtol=1e-5, atol=1e-5
     )
 
 
@@ -331,6 +335,13 @@ class BiasInTheWeights(Router):
         return weights
 
 
+class WeighsInFloat64(Router):
+    """Hands its weights back in float64 whatever its input's dtype."""
+
+    def after(self, weights, ids):
+        return super().after(weights, ids).double()
+
+
 class Tempered(Router):
     def scores(self, logits):
         return F.softmax(logits / 2, dim=-1)
@@ -416,6 +427,7 @@ class CorrectedByAChild(Router):
         (ScaledPerExpert(), "chooses other experts or weights"),
         (BiasInTheWeights(), "chooses other experts or weights"),
         (Tempered(), "chooses other experts or weights"),
+        (WeighsInFloat64(), "returns its weights in torch.float64, vLLM's router in"),
         (KeepsExpertZero(), "changes its top-k expert ids before"),
         (TwoProjections(), "from 2 projections, not one"),
         (TemperatureHandedIn(), "reads inputs other than the hidden states"),
@@ -491,3 +503,42 @@ def test_experts_left_to_transformers_run_on_the_fused_routers_choice(fuse):
     x = torch.randn(1, 5, HIDDEN, generator=generator)
     with torch.no_grad():
         torch.testing.assert_close(block(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ROUTERS)
+def test_router_weighs_as_transformers_in_bfloat16(name, fuse):
+    """In bfloat16 Transformers' routers score in float32 and hand their top-k
+    weights back rounded to the input's dtype (Qwen3, gpt-oss, HunYuan, Ernie 4.5)
+    or in float32 (Mixtral, DeepSeek-V3): the experts weigh with exactly those
+    numbers, so vLLM's router returns the same ones, in the same dtype."""
+    build, _ = ROUTERS[name]
+    router = randomized(build(), torch.bfloat16)
+    reference = copy.deepcopy(router)
+    fused, applied = fuse(router, torch.bfloat16)
+    routing, tokens = applied[0].routing, 64
+    generator = torch.Generator().manual_seed(1)
+    shape = (1, tokens, HIDDEN)[-applied[0].ranks[0]:]
+    x = torch.randn(shape, generator=generator, dtype=torch.bfloat16)
+    bias = 0.3 * torch.randn(getattr(fused, ROUTER_ATTR).num_experts,
+                             generator=generator, dtype=torch.bfloat16)
+    args = (x, bias) if routing.correction_handed_in else (x,)
+    with torch.no_grad():
+        expected, actual = reference(*args), fused(*args)
+    ids, weights = routing.outputs.index("ids"), routing.outputs.index("weights")
+    assert actual[weights].dtype == expected[weights].dtype
+    expected_ids, actual_ids = (out[ids].reshape(tokens, -1) for out in (expected, actual))
+    expected_order, actual_order = expected_ids.argsort(-1), actual_ids.argsort(-1)
+    same = (
+        expected_ids.gather(-1, expected_order) == actual_ids.gather(-1, actual_order)
+    ).all(-1)
+    # vLLM's linear may round a bfloat16 logit the other way, and so break a
+    # near tie otherwise: the weights are compared where both chose alike.
+    assert same.sum() >= 0.9 * tokens
+    expected_weights, actual_weights = (
+        out[weights].reshape(tokens, -1).gather(-1, order)[same]
+        for out, order in ((expected, expected_order), (actual, actual_order))
+    )
+    # At most a float32 rounding apart before the weights are rounded to bfloat16
+    # (at most a unit of its last place, 2**-8 relative) or kept in float32.
+    rtol = 2**-8 if expected_weights.dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(actual_weights, expected_weights, rtol=rtol, atol=0)

@@ -47,6 +47,11 @@ class Routing:
     """Whether the router flattens its input to `[tokens, hidden]` first."""
     outputs: tuple[Role, ...]
     """What the router returns, in order."""
+    weights_in_input_dtype: bool = False
+    """Whether the router hands its top-k weights back in its input's dtype
+    (Qwen3's `.to(router_logits.dtype)`, gpt-oss's softmax in the logits' dtype)
+    rather than in float32, as vLLM's router computes them: rounded the same way,
+    the experts weigh with the same numbers in bfloat16."""
 
     @property
     def grouped(self) -> bool:
@@ -88,6 +93,8 @@ class Routing:
             parts.append(f"scaled by {self.scale:g}")
         if self.float32_logits:
             parts.append("float32 logits")
+        if self.weights_in_input_dtype:
+            parts.append("weights in the input's dtype")
         return ", ".join(parts)
 
 
@@ -145,6 +152,7 @@ class VllmRouter(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, *handed: torch.Tensor, **by_name: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
+        input_dtype = hidden_states.dtype
         if hidden_states.dim() not in self.ranks:
             raise ValueError(
                 f"{self.prefix}: the router was proven to route as Transformers' "
@@ -165,11 +173,17 @@ class VllmRouter(nn.Module):
         if self.routing.float32_logits:
             hidden_states = hidden_states.float()
         logits = self.gate(hidden_states)
-        flat = logits.reshape(-1, self.num_experts)
         weights, ids = self.router.select_experts(
-            hidden_states.reshape(-1, self.hidden_size), flat
+            hidden_states.reshape(-1, self.hidden_size), _scored_logits(logits)
         )
-        return route_outputs(self.routing, logits, weights, ids)
+        return route_outputs(self.routing, logits, weights, ids, input_dtype)
+
+
+def _scored_logits(logits: torch.Tensor) -> torch.Tensor:
+    """`[tokens, experts]` logits in float32, as Transformers' routers score
+    them (`softmax(logits, dtype=torch.float)`): vLLM's CPU router takes the
+    softmax in the logits' dtype, which in bfloat16 weighs other numbers."""
+    return logits.reshape(-1, logits.shape[-1]).float()
 
 
 def load_per_expert(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -184,11 +198,18 @@ def load_per_expert(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def route_outputs(
-    routing: Routing, logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    routing: Routing,
+    logits: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, ...]:
-    """The router's outputs, in its order, from vLLM's `[tokens, top_k]` choice."""
+    """The router's outputs, in its order, from vLLM's `[tokens, top_k]` choice
+    for an input of `input_dtype`."""
     if routing.scale != 1.0:
         weights = weights * routing.scale
+    if routing.weights_in_input_dtype:
+        weights = weights.to(input_dtype)
     shape = (*logits.shape[:-1], routing.top_k)
     found = {
         "logits": logits,
@@ -201,18 +222,22 @@ def route_outputs(
 
 
 def reference_route(
-    routing: Routing, logits: torch.Tensor, correction_bias: torch.Tensor | None
+    routing: Routing,
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    input_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, ...]:
-    """What vLLM's router returns for `logits`, computed by its reference router
+    """What vLLM's router returns for `logits` (projected from an input of
+    `input_dtype`), computed by its reference router
     (the CPU router's plain torch ops, which every platform's kernels match);
     used to prove a router equal before it is replaced."""
     router = CPURouter(
         **routing.router_arguments(logits.shape[-1]),
         e_score_correction_bias=correction_bias,
     )
-    flat = logits.reshape(-1, logits.shape[-1])
+    flat = _scored_logits(logits)
     weights, ids = router.select_experts(flat, flat)
-    return route_outputs(routing, logits, weights, ids)
+    return route_outputs(routing, logits, weights, ids, input_dtype)
 
 
 def vllm_router_forward(

@@ -2,9 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """An MoE router, found from what its forward computes, moved into vLLM's router."""
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, NamedTuple, Self
 
 import torch
 import torch.nn.functional as F
@@ -291,9 +292,7 @@ def _same_choice(
     for at, role in enumerate(roles):
         e, g = expected[at], got[at]
         if role == "ids":
-            if e.dtype != g.dtype or not torch.equal(
-                e.gather(-1, order_e), g.gather(-1, order_g)
-            ):
+            if not torch.equal(e.gather(-1, order_e), g.gather(-1, order_g)):
                 return False
         elif role == "weights":
             if not _close(e.gather(-1, order_e), g.gather(-1, order_g)):
@@ -301,6 +300,15 @@ def _same_choice(
         elif not _close(e, g):
             return False
     return True
+
+
+class _Run(NamedTuple):
+    """A router run on a probe: what it returned, for what tensors and inputs."""
+
+    outputs: tuple[torch.Tensor, ...]
+    tensors: dict[str, torch.Tensor]
+    x: torch.Tensor
+    handed: tuple[torch.Tensor, ...]
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -354,6 +362,9 @@ class RouterFuser(RewriteFuser):
             return cls.decline(module, found)
         routing, projection = found
         fuser = cls(routing=routing, weight=projection.weight, bias=projection.bias)
+        fuser.routing = dataclasses.replace(
+            routing, weights_in_input_dtype=fuser._weights_in_input_dtype(module)
+        )
         fuser.ranks, reason = fuser._verdict(module)
         if not fuser.ranks:
             return cls.decline(module, reason or "no probe ran")
@@ -422,7 +433,11 @@ class RouterFuser(RewriteFuser):
             self.verdicts[signature] = verdict
         return verdict
 
-    def _probe(self, module: nn.Module, dtype: torch.dtype, rank: int) -> str | None:
+    def _run(
+        self, module: nn.Module, dtype: torch.dtype, rank: int
+    ) -> _Run | str:
+        """`module` run on a random probe of `dtype` (its tensors random too),
+        or why it fails."""
         assert self.routing is not None
         generator = torch.Generator(device="cpu").manual_seed(0)
         weight = module.get_parameter(self.weight)
@@ -441,40 +456,76 @@ class RouterFuser(RewriteFuser):
         # Logits spread a few units apart, so float32 rounding ties no choices.
         tensors[self.weight] = random(weight.shape, 2.0 / hidden**0.5)
         x = random((1, _PROBE_TOKENS, hidden)[-rank:], 1.0)
-        routing = self.routing
-        handed = (random((num_experts,), 0.3),) if routing.correction_handed_in else ()
+        handed = (
+            (random((num_experts,), 0.3),) if self.routing.correction_handed_in else ()
+        )
         try:
             with torch.no_grad():
-                expected = torch.func.functional_call(module, tensors, (x, *handed))
+                outputs = torch.func.functional_call(module, tensors, (x, *handed))
         except Exception as error:  # noqa: BLE001 - a router we cannot run is declined
             return f"it fails on a probe: {type(error).__name__}: {error}"
-        if not isinstance(expected, tuple) or len(expected) != len(routing.outputs):
+        if not isinstance(outputs, tuple) or len(outputs) != len(self.routing.outputs):
             return "it does not return the outputs its dataflow shows"
-        inputs = x.reshape(-1, hidden) if routing.flattens else x
+        return _Run(outputs, tensors, x, handed)
+
+    def _weights_in_input_dtype(self, module: nn.Module) -> bool:
+        """Whether Transformers' router hands its top-k weights back in its
+        input's dtype: what it returns for a float64 probe (every check after
+        this one holds the routing to it)."""
+        assert self.routing is not None
+        with torch.device("cpu"):
+            for rank in _RANKS:
+                run = self._run(module, torch.float64, rank)
+                if not isinstance(run, str):
+                    weights = run.outputs[self.routing.outputs.index("weights")]
+                    return weights.dtype == torch.float64
+        return False
+
+    def _probe(self, module: nn.Module, dtype: torch.dtype, rank: int) -> str | None:
+        run = self._run(module, dtype, rank)
+        if isinstance(run, str):
+            return run
+        routing = self.routing
+        weight = run.tensors[self.weight]
+        num_experts, hidden = weight.shape
+        inputs = run.x.reshape(-1, hidden) if routing.flattens else run.x
         inputs = inputs.float() if routing.float32_logits else inputs
         logits = F.linear(
             inputs,
-            tensors[self.weight].to(inputs.dtype),
-            None if self.bias is None else tensors[self.bias].to(inputs.dtype),
+            weight.to(inputs.dtype),
+            None if self.bias is None else run.tensors[self.bias].to(inputs.dtype),
         )
-        if handed:
-            correction = handed[0]
+        if run.handed:
+            correction = run.handed[0]
         elif routing.correction_bias is not None:
             # One value per expert, however it is stored (Ernie 4.5: [1, experts]).
-            correction = tensors[routing.correction_bias].reshape(num_experts)
+            correction = run.tensors[routing.correction_bias].reshape(num_experts)
         else:
             correction = None
         try:
             got = reference_route(
-                routing, logits, None if correction is None else correction.float()
+                routing,
+                logits,
+                None if correction is None else correction.float(),
+                run.x.dtype,
             )
         except Exception as error:  # noqa: BLE001 - vLLM refuses this routing
             return f"vLLM's router fails on it: {type(error).__name__}: {error}"
-        if not _same_choice(expected, got, routing.outputs):
+        name = str(dtype).removeprefix("torch.")
+        # The weights' dtype as well as their values: in bfloat16 the experts
+        # weigh with them rounded or not. (The logits' dtype may differ: callers
+        # keep them for auxiliary losses, and their values are compared.)
+        at = routing.outputs.index("weights")
+        if run.outputs[at].dtype != got[at].dtype:
             return (
-                f"on a {str(dtype).removeprefix('torch.')} probe it chooses other "
-                f"experts or weights than vLLM's router with the routing its "
-                f"dataflow shows ({routing.describe()})"
+                f"on a {name} probe it returns its weights in "
+                f"{run.outputs[at].dtype}, vLLM's router in {got[at].dtype}"
+            )
+        if not _same_choice(run.outputs, got, routing.outputs):
+            return (
+                f"on a {name} probe it chooses other experts or weights than "
+                f"vLLM's router with the routing its dataflow shows "
+                f"({routing.describe()})"
             )
         return None
 
