@@ -6,8 +6,8 @@ Transformers backend (models vLLM has a native implementation for, served here w
 
 Same harness as `test_default_routed.py`: tiny float32 checkpoints (`tiny.py`, whose
 recipes say what each one exercises), greedy tokens equal to Transformers' `generate`,
-logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation, TP) and
-`E2E_IMPL` to run vLLM's stock backend or native model instead.
+logprobs within `tiny.logprob_atol`, one engine start per (model, implementation,
+TP) and `E2E_IMPL` to run vLLM's stock backend or native model instead.
 
 To add an architecture: a recipe in `tiny.ARCHS`, its name in `ARCHS` below, and in
 `FEATURES` what it exercises (each must change the reference, so the engine test can
@@ -100,7 +100,8 @@ def test_feature_changes_output(feature):
 def test_matches_transformers(model_type):
     """Greedy tokens equal Transformers' `generate`; logprobs agree."""
     run = tiny.shared_engine(model_type, E2E_IMPL)
-    gap = compare(reference(model_type), run.completions)
+    atol = tiny.logprob_atol(model_type)
+    gap = compare(reference(model_type), run.completions, atol)
     report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
 
 

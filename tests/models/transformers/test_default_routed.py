@@ -7,7 +7,7 @@ registry: none has a native vLLM model any more) equals Transformers' own output
 Same harness as `test_end_to_end.py` (where GPT-NeoX, also routed here by default, is
 tested): tiny float32 checkpoints (`tiny.py`, whose recipes say what each one
 exercises), greedy tokens equal to Transformers' `generate`, logprobs within
-`LOGPROB_ATOL`, one engine start per (model, implementation, TP) and `E2E_IMPL` to
+`tiny.logprob_atol`, one engine start per (model, implementation, TP) and `E2E_IMPL` to
 run vLLM's stock backend instead (`native` skips: there is no native model).
 
 The tests without the `engine` mark check the references themselves: that greedy
@@ -177,7 +177,8 @@ def test_vaultgemma_attention_logits_fit_cpu_softcap(monkeypatch):
 def test_matches_transformers(model_type):
     """Greedy tokens equal Transformers' `generate`; logprobs agree."""
     run = engine(model_type)
-    gap = compare(reference(model_type), run.completions)
+    atol = tiny.logprob_atol(model_type)
+    gap = compare(reference(model_type), run.completions, atol)
     report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
 
 

@@ -5,8 +5,8 @@ output, their experts served by vLLM's fused MoE (`experts.py`).
 
 Same harness as `test_coverage.py`: tiny float32 checkpoints (`tiny.py`, whose recipes
 say what each one exercises), greedy tokens equal to Transformers' `generate`,
-logprobs within `LOGPROB_ATOL`, one engine start per (model, implementation, TP) and
-`E2E_IMPL` to run vLLM's stock backend or native model instead.
+logprobs within `tiny.logprob_atol`, one engine start per (model, implementation,
+TP) and `E2E_IMPL` to run vLLM's stock backend or native model instead.
 """
 
 import sys
@@ -53,7 +53,8 @@ def test_reference_is_well_separated(model_type):
 def test_matches_transformers(model_type):
     """Greedy tokens equal Transformers' `generate`; logprobs agree."""
     run = tiny.shared_engine(model_type, E2E_IMPL)
-    gap = compare(reference(model_type), run.completions)
+    atol = tiny.logprob_atol(model_type)
+    gap = compare(reference(model_type), run.completions, atol)
     report(f"{model_type} ({E2E_IMPL}) vs Transformers", run, gap)
 
 
