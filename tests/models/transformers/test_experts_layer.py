@@ -11,6 +11,8 @@ import pytest
 import torch
 from configs import small_config
 from transformers import AutoConfig
+from transformers.models.aria.modeling_aria import AriaExperts
+from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -55,6 +57,30 @@ def gpt_oss_experts() -> GptOssExperts:
     return GptOssExperts(config)
 
 
+def gemma4_experts() -> Gemma4TextExperts:
+    """GELU-tanh experts whose config names its top-k `top_k_experts`."""
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        hidden_size=128,
+        num_experts=EXPERTS,
+        top_k_experts=TOP_K,
+        moe_intermediate_size=INTERMEDIATE,
+    )
+    return Gemma4TextExperts(config)
+
+
+def aria_experts() -> AriaExperts:
+    """Experts stored transposed whose config names its top-k `moe_topk`."""
+    config = AutoConfig.for_model(
+        "aria_text",
+        hidden_size=128,
+        moe_num_experts=EXPERTS,
+        moe_topk=TOP_K,
+        intermediate_size=INTERMEDIATE,
+    )
+    return AriaExperts(config)
+
+
 def randomized(experts: torch.nn.Module) -> torch.nn.Module:
     experts.config._experts_implementation = VLLM_EXPERTS
     generator = torch.Generator().manual_seed(0)
@@ -82,7 +108,9 @@ def processed(layer: VllmExperts) -> None:
 
 
 @pytest.mark.parametrize(
-    "build", [qwen3_experts, gpt_oss_experts], ids=["qwen3-silu", "gpt-oss-swigluoai"]
+    "build",
+    [qwen3_experts, gpt_oss_experts, gemma4_experts, aria_experts],
+    ids=["qwen3-silu", "gpt-oss-swigluoai", "gemma4-gelu-tanh", "aria-transposed"],
 )
 def test_vllm_experts_equal_transformers_experts(build, vllm_config):
     reference = randomized(build())

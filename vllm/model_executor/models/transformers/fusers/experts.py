@@ -106,9 +106,25 @@ def _is_experts_module(module: nn.Module) -> bool:
     )
 
 
+TOP_K_NAMES = (
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "top_k_experts",
+    "moe_topk",
+    "moe_top_k",
+)
+"""Where a config gives the experts chosen per token (Gemma 4: `top_k_experts`, Aria:
+`moe_topk`): the names vLLM's engine reads it under (`get_num_experts_per_token`).
+A wrong one cannot give a wrong answer: `VllmExperts` refuses a router choosing
+another number of experts."""
+
+
 def _top_k(module: nn.Module) -> int | None:
     config = getattr(module, "config", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
+    for name in TOP_K_NAMES:
+        top_k = getattr(config, name, None)
+        if top_k is not None:
+            break
     return top_k if isinstance(top_k, int) and not isinstance(top_k, bool) else None
 
 
@@ -173,7 +189,10 @@ class ExpertsFuser(BaseFuser):
             )
         top_k = _top_k(module)
         if top_k is None:
-            return "its config gives no single `num_experts_per_tok`"
+            return (
+                "its config gives no single number of experts per token (as "
+                f"{', '.join(f'`{name}`' for name in TOP_K_NAMES)})"
+            )
         return ExpertsLayout(
             num_experts=num_experts,
             top_k=top_k,
