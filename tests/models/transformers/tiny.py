@@ -356,11 +356,29 @@ ARCHS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
     ),
+    # Gemma 4 with experts (the 26B-A4B's layout): in every layer a dense MLP beside
+    # GELU-tanh experts fed the layer's input, their top-k named `top_k_experts`, a
+    # router of its own (a norm, a learned input scale, a per-expert scale on the
+    # chosen weights), each branch normed before the two are summed; the attention
+    # as in the `gemma4_text` recipe.
+    "gemma4_moe": dict(
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=0,
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=64,
+    ),
 }
 """Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).
 The recipe name is the `model_type`, or a variant of one (`VARIANTS`)."""
 
-VARIANTS = {"deepseek_v3_moe": "deepseek_v3"}
+VARIANTS = {"deepseek_v3_moe": "deepseek_v3", "gemma4_moe": "gemma4_text"}
 """Recipes that are a variant of another model type: their `model_type`."""
 
 
