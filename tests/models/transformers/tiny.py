@@ -356,6 +356,21 @@ ARCHS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
     ),
+    # GLM-4.5: a first dense layer, then sigmoid scores with a correction bias
+    # (perturbed) choosing, renormalised and scaled by `routed_scaling_factor`, a
+    # shared expert; q/k norms per head, rotary on half of each head, q/k/v biases.
+    "glm4_moe": dict(
+        head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+    ),
     # Gemma 4 with experts (the 26B-A4B's layout): in every layer a dense MLP beside
     # GELU-tanh experts fed the layer's input, their top-k named `top_k_experts`, a
     # router of its own (a norm, a learned input scale, a per-expert scale on the
