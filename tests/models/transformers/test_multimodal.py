@@ -124,6 +124,26 @@ def test_llava_text_only_engine_skips_the_tower(llava, llava_reference):
     assert "not built: vision_tower, multi_modal_projector" in run.report
 
 
+@pytest.mark.engine
+def test_llava_tensor_parallel_equals_transformers(llava, llava_reference, monkeypatch):
+    """TP=2, a worker process per rank bound to its own core: the decoder's fused
+    linears split across the ranks, the tower and projector (Transformers') whole on
+    each; one image, two and none as Transformers."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    run = tiny_multimodal.run_engine(
+        llava,
+        "llava",
+        [tiny_multimodal.REQUESTS[name] for name in REQUESTS],
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        llm_kwargs=dict(tensor_parallel_size=2),
+    )
+    gaps = [
+        _compare(llava_reference[name], got)
+        for name, got in zip(REQUESTS, run.completions)
+    ]
+    print(f"\n[e2e] llava, TP=2: {run.seconds:.1f} s, gaps {gaps}")
+
+
 def _data_url(image: tiny_multimodal.Image) -> str:
     buffer = io.BytesIO()
     image.pil().save(buffer, format="PNG")
