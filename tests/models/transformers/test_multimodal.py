@@ -144,6 +144,64 @@ def test_llava_tensor_parallel_equals_transformers(llava, llava_reference, monke
     print(f"\n[e2e] llava, TP=2: {run.seconds:.1f} s, gaps {gaps}")
 
 
+LORA_TARGETS = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+)
+"""The decoder's projections only: the tower stays Transformers', outside vLLM's
+LoRA (the backend class gives vLLM no multimodal mapping, so it wraps only vLLM's
+layers, the decoder's)."""
+
+
+@pytest.fixture(scope="module")
+def llava_lora(
+    llava, tmp_path_factory
+) -> tuple[Path, list[tiny_multimodal.Completion]]:
+    """A PEFT adapter on LLaVA's decoder (B drawn at random: PEFT starts it at zero),
+    and Transformers + PEFT's completions of every request with it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForMultimodalLM
+
+    torch.manual_seed(5)  # PEFT's A matrices
+    model = get_peft_model(
+        AutoModelForMultimodalLM.from_pretrained(str(llava), dtype=torch.float32),
+        LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS),
+    )
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    path = tmp_path_factory.mktemp("llava-lora") / "adapter"
+    model.save_pretrained(path)
+    requests = [tiny_multimodal.REQUESTS[name] for name in REQUESTS]
+    return path, tiny_multimodal.reference(llava, "llava", requests, lora=path)
+
+
+def test_llava_adapter_changes_the_output_and_stays_well_separated(
+    llava_lora, llava_reference
+):
+    _, with_adapter = llava_lora
+    for name, completion in zip(REQUESTS, with_adapter):
+        assert completion.token_ids != llava_reference[name].token_ids
+        assert min(completion.margins) >= tiny.MIN_MARGIN
+
+
+@pytest.mark.engine
+def test_llava_with_lora_equals_transformers_with_peft(llava, llava_lora):
+    """vLLM's LoRA on the decoder's fused linears (q/k/v and gate/up split by the
+    packed-modules mapping), images through the tower as without it."""
+    adapter, with_adapter = llava_lora
+    run = tiny_multimodal.run_engine(
+        llava,
+        "llava",
+        [tiny_multimodal.REQUESTS[name] for name in REQUESTS],
+        backend=tiny.IMPLS[tiny.e2e_impl()]["backend"],
+        lora=adapter,
+    )
+    gaps = [_compare(want, got) for want, got in zip(with_adapter, run.completions)]
+    print(f"\n[e2e] llava + LoRA: {run.seconds:.1f} s, gaps {gaps}")
+
+
 def _data_url(image: tiny_multimodal.Image) -> str:
     buffer = io.BytesIO()
     image.pil().save(buffer, format="PNG")

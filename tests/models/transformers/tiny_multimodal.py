@@ -972,10 +972,15 @@ def build(name: str) -> Path:
 
 
 def reference(
-    path: Path, name: str, requests: list[Request], causal_images: bool = False
+    path: Path,
+    name: str,
+    requests: list[Request],
+    causal_images: bool = False,
+    lora: Path | None = None,
 ) -> list[Completion]:
     """Transformers' greedy generation in float32 (eager attention) from the saved
-    checkpoint and processor (`causal_images`: see `greedy`)."""
+    checkpoint and processor (`causal_images`: see `greedy`), with the PEFT adapter
+    `lora` applied where given."""
     import torch
     from transformers import AutoModelForMultimodalLM, AutoProcessor
 
@@ -987,6 +992,10 @@ def reference(
     model = AutoModelForMultimodalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    if lora is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(lora)).eval()
     completions = greedy(model, processor, recipe, requests, causal_images)
     tokenizer = getattr(processor, "tokenizer", processor)
     for c in completions:
@@ -1016,10 +1025,12 @@ def run_engine(
     backend: str = "project",
     llm_kwargs: dict[str, Any] | None = None,
     timeout: float = 600,
+    lora: Path | None = None,
 ) -> MultiModalRun:
     """Start `vllm.LLM` on the checkpoint in a subprocess and generate greedily for
     each request (its text through the engine's tokenizer, its images as PIL, its
-    audio clips as (waveform, sample rate))."""
+    audio clips as (waveform, sample rate)); with the PEFT adapter `lora` on every
+    request where given."""
     recipe = RECIPES[name]
     spec = dict(
         model=str(path),
@@ -1032,6 +1043,7 @@ def run_engine(
             for r in requests
         ],
         llm_kwargs=llm_kwargs or {},
+        lora=None if lora is None else str(lora),
     )
     env = dict(os.environ)
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
@@ -1065,6 +1077,7 @@ def _compiled(model) -> bool:
 def _engine_main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
 
     kwargs = dict(
         model=spec["model"],
@@ -1074,9 +1087,11 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=1 << 30,
         enforce_eager=True,
+        enable_lora=spec["lora"] is not None,
     )
     kwargs.update(spec["llm_kwargs"])
     llm = LLM(**kwargs)
+    lora = LoRARequest("adapter", 1, spec["lora"]) if spec["lora"] else None
     params = SamplingParams(
         temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1
     )
@@ -1093,7 +1108,7 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         if media:
             prompt["multi_modal_data"] = media
         prompts.append(prompt)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     completions = []
     for output in outputs:
         sample = output.outputs[0]
