@@ -32,6 +32,8 @@ ARCHS = [
     # GLM-4.5's routing (DeepSeek-V3's without groups) beside plain attention with
     # q/k norms and half rotary.
     "glm4_moe",
+    # Ernie 4.5's router: the choice corrected by a child module's tensor.
+    "ernie4_5_moe",
     # Gemma 4's experts: its config names the top-k `top_k_experts` (vLLM's stock
     # backend fails to build it: an `AssertionError` at its `moe.py:185`).
     "gemma4_moe",

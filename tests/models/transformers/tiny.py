@@ -371,6 +371,17 @@ ARCHS: dict[str, dict[str, Any]] = {
         attention_bias=True,
         partial_rotary_factor=0.5,
     ),
+    # Ernie 4.5 MoE: a first dense layer, then softmax routing whose choice a child
+    # module corrects (`moe_statics`, perturbed), renormalised with a floor
+    # (`moe_norm_min`); shared experts.
+    "ernie4_5_moe": dict(
+        head_dim=32,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=64,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+    ),
     # Gemma 4 with experts (the 26B-A4B's layout): in every layer a dense MLP beside
     # GELU-tanh experts fed the layer's input, their top-k named `top_k_experts`, a
     # router of its own (a norm, a learned input scale, a per-expert scale on the
