@@ -110,6 +110,17 @@ MLA: dict[str, Any] = dict(
 )
 """What the DeepSeek (MLA) recipes share."""
 
+GEMMA4: dict[str, Any] = dict(
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=SLIDING_WINDOW,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    hidden_size_per_layer_input=0,
+)
+"""What the Gemma 4 recipes share (the attention of `gemma4_text`)."""
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": dict(sliding_window=SLIDING_WINDOW),
@@ -236,15 +247,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     # heads of 64, one KV head and no v_proj (`attention_k_eq_v`: the key is the
     # value), proportional rotary on a quarter of the full heads, q/k/v norms,
     # softmax scale 1. No per-layer input embeddings, no KV sharing.
-    "gemma4_text": dict(
-        head_dim=32,
-        global_head_dim=64,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        hidden_size_per_layer_input=0,
-    ),
+    "gemma4_text": GEMMA4,
     # Gemma 3n text: AltUp (2 streams: predict, correct, the active one through the
     # layer), LAuReL low-rank residual, per-layer input embeddings (own vocabulary
     # table plus a projection of the embeddings) gated into every layer, q/k/v norms
@@ -388,13 +391,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     # chosen weights), each branch normed before the two are summed; the attention
     # as in the `gemma4_text` recipe.
     "gemma4_moe": dict(
-        head_dim=32,
-        global_head_dim=64,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        hidden_size_per_layer_input=0,
+        **GEMMA4,
         enable_moe_block=True,
         num_experts=8,
         top_k_experts=2,
