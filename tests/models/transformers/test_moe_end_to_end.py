@@ -34,6 +34,9 @@ ARCHS = [
     "glm4_moe",
     # Ernie 4.5's router: the choice corrected by a child module's tensor.
     "ernie4_5_moe",
+    # Aria's experts: stored transposed, their top-k named `moe_topk` (stock fails
+    # to build it, as Gemma 4's).
+    "aria_text",
     # Gemma 4's experts: its config names the top-k `top_k_experts` (vLLM's stock
     # backend fails to build it: an `AssertionError` at its `moe.py:185`).
     "gemma4_moe",

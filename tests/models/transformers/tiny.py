@@ -385,6 +385,15 @@ ARCHS: dict[str, dict[str, Any]] = {
         moe_num_shared_experts=1,
         moe_layer_start_index=1,
     ),
+    # Aria's decoder: experts stored transposed, top-k named `moe_topk`, softmax
+    # top-k renormalised, a shared MLP beside the experts.
+    "aria_text": dict(
+        head_dim=32,
+        moe_num_experts=8,
+        moe_topk=2,
+        intermediate_size=64,
+        moe_num_shared_experts=1,
+    ),
     # Gemma 4 with experts (the 26B-A4B's layout): in every layer a dense MLP beside
     # GELU-tanh experts fed the layer's input, their top-k named `top_k_experts`, a
     # router of its own (a norm, a learned input scale, a per-expert scale on the
