@@ -56,6 +56,17 @@ def test_each_stage_builds_its_layers_and_the_modules_around_them(
     assert found == present
 
 
+def test_a_stack_of_another_length_is_refused_naming_the_lists_it_holds():
+    """LongCat Flash holds num_hidden_layers / 2 entries, two attentions each."""
+    config = small_config("longcat_flash", num_hidden_layers=4)
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    with pytest.raises(ValueError) as error:
+        decoder_layers(model, config)
+    assert "num_hidden_layers=4 decoder layers; found none" in str(error.value)
+    assert "layers (2 entries)" in str(error.value)
+
+
 def test_last_stage_keeps_the_embedding_when_the_head_is_tied():
     _, present, _ = built_on(1, 2, tie=True)
     assert present == {"embed_tokens", "norm"}

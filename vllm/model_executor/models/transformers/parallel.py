@@ -31,10 +31,18 @@ def decoder_layers(
         and not any(name == o or name.startswith(f"{o}.") for o in outside)
     ]
     if len(stacks) != 1:
-        found = [name for name, _ in stacks] or "none"
+        # Name the lists it does hold: a stack with two attentions per entry
+        # (LongCat Flash: num_hidden_layers / 2 entries) is told apart from none.
+        others = [
+            f"{name} ({len(module)} entries)"
+            for name, module in base_model.named_modules()
+            if isinstance(module, nn.ModuleList) and len(module) != num_layers
+        ]
+        found = ", ".join(name for name, _ in stacks) or "none"
+        held = f" (its other ModuleLists: {', '.join(others)})" if others else ""
         raise ValueError(
             f"{type(base_model).__name__} must hold exactly one ModuleList of "
-            f"num_hidden_layers={num_layers} decoder layers; found {found}."
+            f"num_hidden_layers={num_layers} decoder layers; found {found}{held}."
         )
     return stacks[0]
 
