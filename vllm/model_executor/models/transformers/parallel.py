@@ -33,10 +33,15 @@ def decoder_layers(
     if len(stacks) != 1:
         # Name the lists it does hold: a stack with two attentions per entry
         # (LongCat Flash: num_hidden_layers / 2 entries) is told apart from none.
-        others = [
-            f"{name} ({len(module)} entries)"
+        lists = [
+            (name, len(module))
             for name, module in base_model.named_modules()
             if isinstance(module, nn.ModuleList) and len(module) != num_layers
+        ]
+        others = [
+            f"{name} ({length} entries)"
+            for name, length in lists
+            if not any(name.startswith(f"{outer}.") for outer, _ in lists)
         ]
         found = ", ".join(name for name, _ in stacks) or "none"
         held = f" (its other ModuleLists: {', '.join(others)})" if others else ""
