@@ -213,11 +213,16 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
         self.analyses: dict[str, ClassAnalysis] = {}
         """Module class name -> its class analysis, for the classes in `model`."""
         self.declined: list[InstanceDecline] = []
+        self.analysed: dict[nn.Module, ClassAnalysis] = {}
+        """Every module planned, with its class analysis."""
+        self._names: dict[nn.Module, str] = {}
         self._why_not: dict[nn.Module, list[str]] = {}
         for name, module in model.named_modules(prefix=prefix):
             if any(name == k or name.startswith(f"{k}.") for k in kept):
                 continue
             analysis = analyse(module)
+            self.analysed[module] = analysis
+            self._names[module] = name
             self._why_not[module] = [
                 f"{d.fuser}: {d.reason} ({d.location})" for d in analysis.declined
             ]
@@ -229,21 +234,53 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
                 if reason is None:
                     taken.append(fuser)
                     continue
-                self.declined.append(
-                    InstanceDecline(
-                        name, type(module).__name__, type(fuser).__name__, reason
-                    )
-                )
-                self._why_not[module].append(f"{type(fuser).__name__}: {reason}")
-                logger.info(
-                    "Not fused: %s in %s (%s): %s",
-                    type(fuser).__name__,
-                    name,
-                    type(module).__name__,
-                    reason,
-                )
+                self._decline(module, fuser, reason)
             if taken:
                 self._fusers[module] = tuple(taken)
+        self._cross_check()
+
+    def _decline(self, module: nn.Module, fuser: BaseFuser, reason: str) -> None:
+        name = self._names[module]
+        self.declined.append(
+            InstanceDecline(name, type(module).__name__, type(fuser).__name__, reason)
+        )
+        self._why_not[module].append(f"{type(fuser).__name__}: {reason}")
+        logger.info(
+            "Not fused: %s in %s (%s): %s",
+            type(fuser).__name__,
+            name,
+            type(module).__name__,
+            reason,
+        )
+
+    def _cross_check(self) -> None:
+        """Withdraw every fuser whose `cross_check` finds the plan around it wrong
+        (a fusion whose output other modules must consume), from every instance,
+        until the plan holds still: withdrawing one may fail another's check."""
+        while True:
+            failed = {}
+            for fuser_cls in {type(f) for fs in self._fusers.values() for f in fs}:
+                try:
+                    reason = fuser_cls.cross_check(self)
+                except Exception as error:  # noqa: BLE001 - fail closed: unfused
+                    reason = f"checking the plan failed: {type(error).__name__}: {error}"
+                if reason is not None:
+                    failed[fuser_cls] = reason
+            if not failed:
+                return
+            for module, fusers in list(self._fusers.items()):
+                for fuser in fusers:
+                    if type(fuser) in failed:
+                        self._decline(module, fuser, failed[type(fuser)])
+                kept = tuple(f for f in fusers if type(f) not in failed)
+                if kept:
+                    self._fusers[module] = kept
+                else:
+                    del self._fusers[module]
+
+    def name(self, module: nn.Module) -> str:
+        """The name `module` was planned under."""
+        return self._names[module]
 
     def __getitem__(self, module: nn.Module) -> tuple[BaseFuser, ...]:
         return self._fusers.get(module, ())

@@ -142,6 +142,8 @@ class FusionReport:
             f"{' (MLA)' if any(a.mla for a in self.attention) else ''}; "
             f"{self.fused_projections}/{self.linears_total} projections fused; "
             f"{self.norms_fused} RMSNorms on vLLM's kernel; "
+            f"rotary embeddings on vLLM's kernel in {self.fusions.get('rotary', 0)} "
+            "attention modules; "
             f"{sum(not linear.planned for linear in self.linears)} linears replicated "
             "for lack of a tensor-parallel plan"
             + (f"; pooler: {self.pooler}" if self.pooler else "")

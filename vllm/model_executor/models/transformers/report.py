@@ -324,6 +324,7 @@ def coverage_row(report: FusionReport) -> dict[str, object]:
         "qkv": bool(kinds & {"qkv", "packed_qkv", "mla"}),
         "glu": "glu" in kinds,
         "rms_norm": "rms_norm" in kinds,
+        "rotary": "rotary" in kinds,
         "servable": report.servable,
         "reason": report.reason,
     }
@@ -379,7 +380,7 @@ def run_all(as_json: bool, style: Style) -> None:
             continue
         rows.append(coverage_row(build_report(config, model_type)))
     elapsed = time.perf_counter() - started
-    columns = ("built", "attention", "qkv", "glu", "rms_norm", "servable")
+    columns = ("built", "attention", "qkv", "glu", "rms_norm", "rotary", "servable")
     totals = {c: sum(bool(r.get(c)) for r in rows) for c in columns}
     summary = f"{len(rows)} causal-LM model types in {elapsed:.0f} s: " + ", ".join(
         f"{c} {totals[c]}" for c in columns

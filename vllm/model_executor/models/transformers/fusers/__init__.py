@@ -14,6 +14,10 @@ from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
 from vllm.model_executor.models.transformers.fusers.qkv import QKVFuser
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
+from vllm.model_executor.models.transformers.fusers.rotary import RotaryFuser
+from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
+    RotaryEmbeddingFuser,
+)
 from vllm.model_executor.models.transformers.fusers.router import RouterFuser
 
 # Rewriters first: at most one of them redefines a class's forward.
@@ -24,8 +28,10 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     QKVFuser,
     PackedQKVFuser,
     GLUFuser,
+    RotaryEmbeddingFuser,
     RouterFuser,
     RMSNormFuser,
+    RotaryFuser,
     AttentionFuser,
     ExpertsFuser,
 )
@@ -41,6 +47,8 @@ __all__ = [
     "QKVFuser",
     "RMSNormFuser",
     "RewriteFuser",
+    "RotaryEmbeddingFuser",
+    "RotaryFuser",
     "RouterFuser",
     "StackedFuser",
 ]

@@ -27,6 +27,7 @@ from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # 
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.model_executor.models.transformers.fuser import Fusers
 
 ShardId = str | int
 """Which shard of a merged linear an original linear becomes (`"q"`, `0`, ...)."""
@@ -80,7 +81,7 @@ class BaseFuser:
 
     The build asks every fuser the same questions, in three stages (DESIGN §4): the
     class analysis (`match`, and `update_forward` for rewrites), the instance plan
-    (`mismatch`), and the apply (`fuse`, then `stacked_weights`,
+    (`mismatch`, then `cross_check` over the whole plan), and the apply (`fuse`, then `stacked_weights`,
     `renamed_weights`, `packed_modules_mapping`, `report_detail`, `attention_needs`/`adjust_attention`, `info` and
     `kind` for the report)."""
 
@@ -120,6 +121,14 @@ class BaseFuser:
         """Why this instance differs from what the class analysis assumed (or cannot
         take the fusion under `vllm_config`); `None` when it takes it. Re-derives
         from the instance everything the rewrite depends on."""
+        return None
+
+    @classmethod
+    def cross_check(cls, plan: "Fusers") -> str | None:
+        """Why no instance in the model may take this fuser, given what the plan gives
+        the other modules (a fusion whose output another module must consume);
+        `None` when the plan is consistent. Run on the whole plan, before anything
+        is built; a failed check withdraws the fuser from every instance."""
         return None
 
     def validate(self, module: nn.Module, vllm_config: "VllmConfig") -> bool:

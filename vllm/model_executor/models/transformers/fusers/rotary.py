@@ -1,0 +1,452 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The rotary position embedding an attention module applies, on vLLM's kernel."""
+
+import ast
+import inspect
+import math
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+from torch import fx, nn
+
+from vllm import _custom_ops as ops
+from vllm.model_executor.models.transformers.fusers.attention import AttentionFuser
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.fusers.heads import (
+    HEAD_SIZE_ATTRIBUTES,
+    resolve,
+)
+from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
+    RotaryEmbeddingFuser,
+    frequencies,
+    is_rotary_embedding,
+)
+from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
+from vllm.model_executor.models.transformers.rewriting import forward_source
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.model_executor.models.transformers.fuser import Fusers
+
+ROTARY_FUNCTION = re.compile(r"rot|rope", re.IGNORECASE)
+"""Names of the module-level functions that may apply a rotary embedding
+(`apply_rotary_pos_emb`); which of them do is proven by probing them."""
+LAYOUTS = (1, 2)
+"""Where the head dimension of the query may sit: `[batch, heads, tokens, head]` (1)
+or `[batch, tokens, heads, head]` (2); cos and sin are `[batch, tokens, width]`."""
+_PROBE_HEADS, _PROBE_KV_HEADS, _PROBE_TOKENS = 4, 2, 3
+CONSUMERS = frozenset({AttentionFuser.__name__, MLAFuser.__name__, "RotaryFuser"})
+"""Fusers whose modules may consume a rotary embedding's cos and sin."""
+
+
+def neox(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim_at: int
+) -> torch.Tensor:
+    """What vLLM's rotary kernel computes in neox style, written out: the first
+    `2 * w` channels of each head (`w` the width of `cos`) rotated as two halves
+    by the angle whose cos and sin are given, the other channels passed through."""
+    width = cos.shape[-1]
+    cos, sin = cos.unsqueeze(head_dim_at), sin.unsqueeze(head_dim_at)
+    first, second = x[..., :width], x[..., width : 2 * width]
+    return torch.cat(
+        (first * cos - second * sin, second * cos + first * sin, x[..., 2 * width :]),
+        dim=-1,
+    )
+
+
+def rotate(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim_at: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`neox` of the query and the key, by vLLM's kernel, on copies (the inputs may
+    be views of a projection that something else reads)."""
+    query = query.movedim(head_dim_at, -2).clone(memory_format=torch.contiguous_format)
+    key = key.movedim(head_dim_at, -2).clone(memory_format=torch.contiguous_format)
+    tokens, width = query.shape[:-2], cos.shape[-1]
+    count = math.prod(tokens)
+    # One row of the kernel's cos/sin cache per token, each at its own position.
+    cache = torch.cat(
+        (
+            cos.expand(*tokens, width).reshape(count, width),
+            sin.expand(*tokens, width).reshape(count, width),
+        ),
+        dim=-1,
+    ).to(query.dtype)
+    positions = torch.arange(count, device=query.device)
+    ops.rotary_embedding(
+        positions,
+        query.view(count, -1),
+        key.view(count, -1),
+        query.shape[-1],
+        cache,
+        True,
+    )
+    return query.movedim(-2, head_dim_at), key.movedim(-2, head_dim_at)
+
+
+def _proven_widths(
+    function: Callable,
+    channels: int,
+    head_dim_at: int,
+    args: tuple,
+    kwargs: dict[str, Any],
+) -> frozenset[int]:
+    """The half widths `w` for which `function(q, k, cat(c, c), cat(s, s), *args,
+    **kwargs)` equals `neox` of `q` and `k` with `c` and `s` of width `w`, on heads of
+    `channels` laid out as `head_dim_at` says; float64, random values."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    def heads(count: int) -> torch.Tensor:
+        shape = [1, count, _PROBE_TOKENS, channels]
+        if head_dim_at == 2:
+            shape[1], shape[2] = shape[2], shape[1]
+        return draw(*shape)
+
+    proven = set()
+    # From 2: at width 1 every pairing of channels is the same (neox's and GPT-J's).
+    for width in range(2, channels // 2 + 1):
+        q, k = heads(_PROBE_HEADS), heads(_PROBE_KV_HEADS)
+        cos, sin = draw(1, _PROBE_TOKENS, width), draw(1, _PROBE_TOKENS, width)
+        try:
+            with torch.no_grad():
+                out = function(
+                    q.clone(),
+                    k.clone(),
+                    torch.cat((cos, cos), dim=-1),
+                    torch.cat((sin, sin), dim=-1),
+                    *args,
+                    **kwargs,
+                )
+        except Exception:  # noqa: BLE001 - a width the function cannot take
+            continue
+        expected = (neox(q, cos, sin, head_dim_at), neox(k, cos, sin, head_dim_at))
+        if (
+            isinstance(out, tuple | list)
+            and len(out) == 2
+            and all(
+                isinstance(o, torch.Tensor)
+                and o.shape == e.shape
+                and o.dtype == e.dtype
+                and torch.allclose(o, e, rtol=1e-12, atol=1e-12)
+                for o, e in zip(out, expected)
+            )
+        ):
+            proven.add(width)
+    return frozenset(proven)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call `function(q, k, cos, sin, *args, **kwargs)` in the forward's source."""
+
+    name: str
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+
+
+def _rotary_calls(forward: ast.FunctionDef, namespace: dict[str, Any]) -> list[ast.Call]:
+    """The calls of module-level functions named like a rotary embedding."""
+    return [
+        node
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and ROTARY_FUNCTION.search(node.func.id)
+        and isinstance(namespace.get(node.func.id), types.FunctionType)
+    ]
+
+
+def _read_call(call: ast.Call) -> _Call | str:
+    """The call's function and constant arguments after (q, k, cos, sin), or why it
+    is not of that form."""
+    source = ast.unparse(call)
+    if len(call.args) < 4 or any(isinstance(a, ast.Starred) for a in call.args):
+        return f"`{source}` does not pass (query, key, cos, sin)"
+    extra = [*call.args[4:], *(k.value for k in call.keywords)]
+    if any(k.arg is None for k in call.keywords) or not all(
+        isinstance(e, ast.Constant) for e in extra
+    ):
+        return f"`{source}` passes arguments other than constants after cos and sin"
+    return _Call(
+        name=call.func.id,
+        args=tuple(a.value for a in call.args[4:]),
+        kwargs=tuple((k.arg, k.value.value) for k in call.keywords),
+    )
+
+
+def head_size_of(module: nn.Module) -> int | None:
+    """The instance's head size, read as the attention fuser reads it."""
+    return next(
+        (
+            held
+            for path in HEAD_SIZE_ATTRIBUTES
+            if type(held := resolve(module, path)) is int
+        ),
+        None,
+    )
+
+
+def _renamed(code: types.CodeType, old: str, new: str) -> types.CodeType:
+    """`code`, nested code included, reading the global `new` where it read `old`
+    (`match` declines a forward that also uses `old` as an attribute name, which
+    shares the same table of names)."""
+    consts = tuple(
+        _renamed(c, old, new) if isinstance(c, types.CodeType) else c
+        for c in code.co_consts
+    )
+    names = tuple(new if n == old else n for n in code.co_names)
+    return code.replace(co_names=names, co_consts=consts)
+
+
+@dataclass
+class RotaryFuser(BaseFuser):
+    """`apply_rotary_pos_emb(q, k, cos, sin)` -> `rotary_embedding(positions, q, k,
+    head_size, cat(cos, sin))`, vLLM's neox-style rotary kernel, where the rotary
+    embedding hands over half-width cos and sin (`rotary_embedding.py`).
+
+    The function is found by name in the forward's source and proven by probing it:
+    given cos and sin that repeat their halves, it must rotate each head as the kernel
+    does (channels `[0, w)` against `[w, 2w)`, the rest passed through). GPT-J style
+    (interleaved) functions differ there and are declined. The forward itself is not
+    rewritten: each instance gets a copy whose code calls the fused function (kept in
+    the modeling module's globals under a name of its own) where it called the
+    original, so this composes with any rewrite of the same forward. The fused
+    function falls back to the original, on the whole cos and sin, for any call it
+    was not proven on (another head size, other arguments)."""
+
+    needs_graph = False
+    kind = "rotary"
+
+    call: _Call | None = None
+    head_dim_at: int = 1
+    widths: dict[int, frozenset[int]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """Channels per head of the query handed in -> the half widths proven on them
+    (probed once each: the head size, and the rotary part of partial rotaries)."""
+    _forwards: dict[tuple[Callable, frozenset], Callable] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        source = forward_source(type(module))
+        return source is not None and bool(
+            _rotary_calls(source.tree, inspect.unwrap(type(module).forward).__globals__)
+        )
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | Declined:
+        forward = type(module).forward
+        if inspect.unwrap(forward) is not forward:
+            return cls.decline(module, "its forward is wrapped by a decorator")
+        source = forward_source(type(module))
+        calls = [_read_call(c) for c in _rotary_calls(source.tree, forward.__globals__)]
+        if reason := next((c for c in calls if isinstance(c, str)), None):
+            return cls.decline(module, reason)
+        if len(set(calls)) != 1:
+            listed = ", ".join(sorted({c.name for c in calls}))
+            return cls.decline(
+                module, f"it applies rotary embeddings differently ({listed})"
+            )
+        call = calls[0]
+        if any(
+            isinstance(n, ast.Attribute) and n.attr == call.name
+            or isinstance(n, ast.alias) and call.name in (n.name, n.asname)
+            for n in ast.walk(source.tree)
+        ):
+            return cls.decline(module, f"its forward also uses {call.name} as a name")
+        head_size = head_size_of(module)
+        if head_size is None:
+            return cls.decline(module, "it holds no head size (head_dim, ...)")
+        function = forward.__globals__[call.name]
+        proven = {
+            layout: _proven_widths(
+                function, head_size, layout, call.args, dict(call.kwargs)
+            )
+            for layout in LAYOUTS
+        }
+        layouts = [layout for layout, widths in proven.items() if widths]
+        if len(layouts) != 1:
+            return cls.decline(
+                module,
+                f"{call.name} does not rotate the halves of heads of {head_size} as "
+                "vLLM's neox-style kernel does"
+                if not layouts
+                else f"{call.name} rotates heads in more than one layout",
+            )
+        fuser = cls(call=call, head_dim_at=layouts[0])
+        fuser.widths[head_size] = proven[layouts[0]]
+        return fuser
+
+    def proven(self, module: nn.Module, channels: int, width: int) -> bool:
+        """Whether the function `module`'s forward calls is proven to rotate a query
+        of `channels` per head as the kernel does, given cos of half width `width`."""
+        if channels not in self.widths:
+            self.widths[channels] = _proven_widths(
+                self._original(module.forward.__func__),
+                channels,
+                self.head_dim_at,
+                self.call.args,
+                dict(self.call.kwargs),
+            )
+        return width in self.widths[channels]
+
+    def _original(self, forward: Callable) -> Callable:
+        return forward.__globals__[self.call.name]
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if head_size_of(module) is None:
+            return "this instance holds no head size (head_dim, ...)"
+        forward = getattr(module.forward, "__func__", None)
+        if forward is None or self.call.name not in forward.__code__.co_names:
+            return f"this instance's forward does not call {self.call.name}"
+        return None
+
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
+        # The forward as it is now: the class's, or a rewrite bound to the instance.
+        forward = module.forward.__func__
+        proven = frozenset(
+            (channels, width)
+            for channels, widths in self.widths.items()
+            for width in widths
+        )
+        if (forward, proven) not in self._forwards:
+            # The fused function goes into the modeling module's own globals under a
+            # name of its own, and the forward's code reads that name instead: its
+            # globals stay the module's (torch.compile guards on them by module).
+            namespace = forward.__globals__
+            fused_name = f"{self.call.name}_on_vllm_kernel"
+            while fused_name in namespace:
+                fused_name += "_"
+            namespace[fused_name] = self._fused_function(
+                self._original(forward), proven
+            )
+            rebound = types.FunctionType(
+                _renamed(forward.__code__, self.call.name, fused_name),
+                namespace,
+                forward.__name__,
+                forward.__defaults__,
+                forward.__closure__,
+            )
+            rebound.__kwdefaults__ = forward.__kwdefaults__
+            self._forwards[forward, proven] = rebound
+        module.forward = types.MethodType(self._forwards[forward, proven], module)
+        return module
+
+    def _fused_function(
+        self, original: Callable, proven: frozenset[tuple[int, int]]
+    ) -> Callable:
+        """`original`, on vLLM's kernel for the (channels, half width) `proven`."""
+        args, kwargs = self.call.args, dict(self.call.kwargs)
+        head_dim_at = self.head_dim_at
+
+        def fused(query, key, cos, sin, *rest, **options):
+            if (
+                rest == args
+                and options == kwargs
+                and query.dim() == key.dim() == 4
+                and cos.dim() == 3
+                and sin.shape == cos.shape
+                and key.shape[-1] == query.shape[-1]
+                and (query.shape[-1], cos.shape[-1]) in proven
+            ):
+                return rotate(query, key, cos, sin, head_dim_at)
+            # Not a call the kernel was proven on: the original, on the whole cos and
+            # sin (the rotary embedding hands over their first half).
+            return original(
+                query,
+                key,
+                torch.cat((cos, cos), dim=-1),
+                torch.cat((sin, sin), dim=-1),
+                *rest,
+                **options,
+            )
+
+        fused.__name__ = f"{original.__name__}_on_vllm_kernel"
+        return fused
+
+    @classmethod
+    def cross_check(cls, plan: "Fusers") -> str | None:
+        return unpaired(plan)
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return (
+            f"Fused: {self.call.name} ({name}: {type(module).__name__}) -> "
+            "vLLM's rotary kernel"
+        )
+
+
+def handed_width(embedding: nn.Module) -> int | str:
+    """The width of the cos and sin `embedding` hands over once halved (read off one
+    position through its original forward), or why it cannot be read."""
+    device = frequencies(embedding).device
+    x = torch.zeros(1, 1, device=device)
+    position_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    try:
+        with torch.no_grad():
+            cos, sin = type(embedding).forward(embedding, x, position_ids)
+    except Exception as error:  # noqa: BLE001 - whatever the model's code raises
+        return f"it cannot be run on one position: {type(error).__name__}: {error}"
+    return cos.shape[-1] // 2
+
+
+def unpaired(plan: "Fusers") -> str | None:
+    """Why the model's rotary embeddings and the modules that consume them cannot
+    take their fusions together, or `None`. Half-width cos and sin are right only for
+    the fused rotary function, so every rotary embedding must make them, every module
+    that may consume them (each module analysed as dispatching attention or applying
+    a rotary function) must take the fused function, and each of those must be proven
+    on the width every embedding hands over; else neither side is fused."""
+    widths: dict[int, str] = {}
+    for module in (m for m in plan.analysed if is_rotary_embedding(m)):
+        described = f"the rotary embedding {plan.name(module)} ({type(module).__name__})"
+        if not any(isinstance(f, RotaryEmbeddingFuser) for f in plan[module]):
+            return f"{described} keeps its whole width: {plan.why_not(module)}"
+        width = handed_width(module)
+        if isinstance(width, str):
+            return f"{described}: {width}"
+        widths.setdefault(width, described)
+    if not widths:
+        return "no rotary embedding of this model computes its cos and sin at half width"
+    consumers = 0
+    for module, analysis in plan.analysed.items():
+        found = {type(f).__name__ for f in analysis.fusers}
+        found |= {d.fuser for d in analysis.declined}
+        if not found & CONSUMERS:
+            continue
+        consumers += 1
+        described = f"{plan.name(module)} ({type(module).__name__})"
+        fuser = next((f for f in plan[module] if isinstance(f, RotaryFuser)), None)
+        if fuser is None:
+            return (
+                f"{described} does not apply the rotary embedding on vLLM's kernel: "
+                f"{plan.why_not(module)}"
+            )
+        head_size = head_size_of(module)
+        for width, embedding in widths.items():
+            # A partial rotary hands the function the rotary channels alone (Phi).
+            if not (
+                fuser.proven(module, head_size, width)
+                or fuser.proven(module, 2 * width, width)
+            ):
+                return (
+                    f"{described} is not proven to rotate as vLLM's kernel does at the "
+                    f"half width {width} that {embedding} hands over"
+                )
+    if not consumers:
+        return "no module of this model applies the rotary embedding on vLLM's kernel"
+    return None
