@@ -191,6 +191,40 @@ class TwoFunctions(Probe):
         return apply_rotary_pos_emb(q, k, cos, sin)
 
 
+class ReadsCosElsewhere(Probe):
+    def forward(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q * cos.mean(), k
+
+
+class PassesTheEmbeddingsOn(Probe):
+    def forward(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.other(q, position_embeddings), k
+
+
+class AsAttribute(Probe):
+    """Reads an attribute of the function's name: renaming the global would rename
+    it too (both are in the code's one table of names)."""
+
+    apply_rotary_pos_emb = 2.0
+
+    def forward(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q * self.apply_rotary_pos_emb, k
+
+
+class InAComprehension(Probe):
+    """The call inside nested code (a comprehension) is renamed there too."""
+
+    def forward(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        return [apply_rotary_pos_emb(q, k, cos, sin) for _ in range(1)][0]
+
+
 def decorated(forward):
     @functools.wraps(forward)
     def wrapper(*args, **kwargs):
@@ -217,11 +251,26 @@ apply_rotary_pos_emb = modeling_llama.apply_rotary_pos_emb
         (OneAtATime, "does not pass (query, key, cos, sin)"),
         (TwoFunctions, "applies rotary embeddings differently"),
         (Decorated, "its forward is wrapped by a decorator"),
+        (ReadsCosElsewhere, "`cos` is read elsewhere in the forward"),
+        (PassesTheEmbeddingsOn, "`position_embeddings` is read elsewhere"),
+        (AsAttribute, "its forward also uses apply_rotary_pos_emb as a name"),
     ],
 )
 def test_functions_that_do_not_rotate_as_the_kernel_are_declined(cls, reason, declined):
     assert get_fuser(cls(), RotaryFuser) is None
     assert any(reason in r for r in declined(RotaryFuser)), declined(RotaryFuser)
+
+
+def test_a_call_in_nested_code_is_fused_too(fuse, kernel_calls):
+    module = InAComprehension()
+    fused, applied = fuse(module)
+    assert any(isinstance(f, RotaryFuser) for f in applied)
+    embedding = LlamaRotaryEmbedding(small_config("llama", head_dim=16))
+    whole, half = whole_and_half(embedding)
+    q, k = torch.randn(1, 4, TOKENS, 16), torch.randn(1, 2, TOKENS, 16)
+    for got, want in zip(fused(q, k, half), apply_rotary_pos_emb(q, k, *whole)):
+        torch.testing.assert_close(got, want)
+    assert kernel_calls
 
 
 def taken(model, fuser_cls) -> list[str]:

@@ -185,6 +185,53 @@ def _read_call(call: ast.Call) -> _Call | str:
     )
 
 
+def _loads(tree: ast.AST, name: str) -> list[ast.Name]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    ]
+
+
+def _none_test(node: ast.Name, tree: ast.AST) -> bool:
+    """Whether `node` is only compared with `None` (`x is None`, `x is not None`)."""
+    return any(
+        isinstance(c, ast.Compare)
+        and c.left is node
+        and all(isinstance(op, ast.Is | ast.IsNot) for op in c.ops)
+        and all(isinstance(v, ast.Constant) and v.value is None for v in c.comparators)
+        for c in ast.walk(tree)
+    )
+
+
+def _read_elsewhere(forward: ast.FunctionDef, calls: list[ast.Call]) -> str | None:
+    """Why the cos and sin the calls rotate by may reach anything else, or `None`:
+    each must be a local read by those calls alone, and a tuple they are unpacked
+    from (`cos, sin = position_embeddings`) read nowhere else but for `is None`."""
+    handed = [a for c in calls for a in c.args[2:4]]
+    if not all(isinstance(a, ast.Name) for a in handed):
+        return "cos and sin are not handed to it as local names"
+    for name in {a.id for a in handed}:
+        if any(not any(n is a for a in handed) for n in _loads(forward, name)):
+            return f"`{name}` is read elsewhere in the forward"
+        for statement in ast.walk(forward):
+            if not (
+                isinstance(statement, ast.Assign)
+                and isinstance(statement.value, ast.Name)
+                and any(
+                    isinstance(t, ast.Tuple)
+                    and any(isinstance(e, ast.Name) and e.id == name for e in t.elts)
+                    for t in statement.targets
+                )
+            ):
+                continue
+            source = statement.value.id
+            for load in _loads(forward, source):
+                if load is not statement.value and not _none_test(load, forward):
+                    return f"`{source}` is read elsewhere in the forward"
+    return None
+
+
 def head_size_of(module: nn.Module) -> int | None:
     """The instance's head size, read as the attention fuser reads it."""
     return next(
@@ -207,6 +254,13 @@ def _renamed(code: types.CodeType, old: str, new: str) -> types.CodeType:
     )
     names = tuple(new if n == old else n for n in code.co_names)
     return code.replace(co_names=names, co_consts=consts)
+
+
+def _names(code: types.CodeType, name: str) -> bool:
+    """Whether `code`, nested code included, reads the global (or attribute) `name`."""
+    return name in code.co_names or any(
+        _names(c, name) for c in code.co_consts if isinstance(c, types.CodeType)
+    )
 
 
 @dataclass
@@ -252,8 +306,12 @@ class RotaryFuser(BaseFuser):
         if inspect.unwrap(forward) is not forward:
             return cls.decline(module, "its forward is wrapped by a decorator")
         source = forward_source(type(module))
-        calls = [_read_call(c) for c in _rotary_calls(source.tree, forward.__globals__)]
+        nodes = _rotary_calls(source.tree, forward.__globals__)
+        calls = [_read_call(c) for c in nodes]
         if reason := next((c for c in calls if isinstance(c, str)), None):
+            return cls.decline(module, reason)
+        # Half-width cos and sin are right for the fused function alone.
+        if reason := _read_elsewhere(source.tree, nodes):
             return cls.decline(module, reason)
         if len(set(calls)) != 1:
             listed = ", ".join(sorted({c.name for c in calls}))
@@ -310,7 +368,7 @@ class RotaryFuser(BaseFuser):
         if head_size_of(module) is None:
             return "this instance holds no head size (head_dim, ...)"
         forward = getattr(module.forward, "__func__", None)
-        if forward is None or self.call.name not in forward.__code__.co_names:
+        if forward is None or not _names(forward.__code__, self.call.name):
             return f"this instance's forward does not call {self.call.name}"
         return None
 
