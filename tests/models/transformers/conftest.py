@@ -126,10 +126,17 @@ def declined() -> Callable[[type[BaseFuser]], list[str]]:
 
 @pytest.fixture
 def fuse(vllm_config: VllmConfig) -> Callable[..., tuple[nn.Module, list[BaseFuser]]]:
-    """`fuse(module, dtype)`: `module` fused as the backend fuses it, its original
-    weights loaded into the fused layers through their weight loaders and
-    `stacked_weights`; returns the module to use in its place and the fusers applied."""
-    return lambda module, dtype=torch.float32: _fuse(module, vllm_config, dtype)
+    """`fuse(module, dtype, paired=False)`: `module` fused as the backend fuses it, its
+    original weights loaded into the fused layers through their weight loaders and
+    `stacked_weights`; returns the module to use in its place and the fusers applied.
+
+    A module fused alone has no plan around it, so fusers that a plan-wide
+    `cross_check` pairs with other modules' (the rotary embedding and the attention
+    consuming its half-width cos and sin) are left out unless `paired`: the test
+    then feeds the module what its pair would."""
+    return lambda module, dtype=torch.float32, paired=False: _fuse(
+        module, vllm_config, dtype, paired=paired
+    )
 
 
 @pytest.fixture
@@ -158,6 +165,7 @@ def _fuse(
     vllm_config: VllmConfig,
     dtype: torch.dtype,
     attach: Callable[[nn.Module, list[BaseFuser]], None] | None = None,
+    paired: bool = False,
 ) -> tuple[nn.Module, list[BaseFuser]]:
     """`module` fused under `vllm_config`, `attach(fused, applied)` run before the
     weights load (what the backend attaches, such as latent attention, may change
@@ -167,7 +175,10 @@ def _fuse(
     parent = nn.Module()
     parent.m = module
     applied = [
-        f for f in registry.get_fusers(module) if f.validate(module, vllm_config)
+        f
+        for f in registry.get_fusers(module)
+        if f.validate(module, vllm_config)
+        and (paired or type(f).cross_check is BaseFuser.cross_check)
     ]
     stacked, renamed = {}, {}
     default = torch.get_default_dtype()

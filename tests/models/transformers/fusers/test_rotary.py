@@ -123,7 +123,7 @@ def test_attention_on_the_half_width_equals_transformers_on_the_whole(
     assert fuser.proven(attention, rotary.head_size_of(attention), width) or fuser.proven(
         attention, 2 * width, width
     )
-    fused, applied = fuse(attention)
+    fused, applied = fuse(attention, paired=True)
     assert fuser in applied
     hidden = torch.randn(1, TOKENS, attention.config.hidden_size)
     with torch.no_grad():
@@ -263,7 +263,7 @@ def test_functions_that_do_not_rotate_as_the_kernel_are_declined(cls, reason, de
 
 def test_a_call_in_nested_code_is_fused_too(fuse, kernel_calls):
     module = InAComprehension()
-    fused, applied = fuse(module)
+    fused, applied = fuse(module, paired=True)
     assert any(isinstance(f, RotaryFuser) for f in applied)
     embedding = LlamaRotaryEmbedding(small_config("llama", head_dim=16))
     whole, half = whole_and_half(embedding)

@@ -47,7 +47,7 @@ def positions(count: int = 40) -> torch.Tensor:
 def test_the_fused_embedding_returns_the_first_half_of_both_outputs(name, fuse):
     module = EMBEDDINGS[name]()
     reference = EMBEDDINGS[name]()
-    fused, applied = fuse(module)
+    fused, applied = fuse(module, paired=True)
     assert any(isinstance(f, RotaryEmbeddingFuser) for f in applied)
     x = torch.zeros(1, 40, 8)
     for whole, half in zip(reference(x, positions()), fused(x, positions())):
