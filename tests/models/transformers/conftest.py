@@ -178,7 +178,7 @@ def _fuse(
         f
         for f in registry.get_fusers(module)
         if f.validate(module, vllm_config)
-        and (paired or type(f).cross_check is BaseFuser.cross_check)
+        and (paired or type(f).cross_check.__func__ is BaseFuser.cross_check.__func__)
     ]
     stacked, renamed = {}, {}
     default = torch.get_default_dtype()

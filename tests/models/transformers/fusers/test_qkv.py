@@ -359,7 +359,8 @@ def test_stands_beside_the_attention_fuser():
     config = AutoConfig.for_model("llama", hidden_size=HIDDEN, num_attention_heads=4)
     config._attn_implementation = "vllm"
     names = [type(f).__name__ for f in get_fusers(LlamaAttention(config, layer_idx=0))]
-    assert names == ["QKVFuser", "AttentionFuser"]
+    # The rotary function's swap leaves the forward alone too.
+    assert names == ["QKVFuser", "RotaryFuser", "AttentionFuser"]
 
 
 # --- Gemma 4: layers without v_proj, where the key is also the value -------------------

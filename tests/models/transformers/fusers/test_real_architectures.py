@@ -12,8 +12,10 @@ import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm" 
 from vllm.model_executor.models.transformers.fuser import get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 
-ATTENTION = ["QKVFuser", "AttentionFuser"]
-PACKED_ATTENTION = ["PackedQKVFuser", "AttentionFuser"]
+# The rotary function's fusion is found per class; the plan pairs it with the model's
+# rotary embedding (fusers/test_rotary.py).
+ATTENTION = ["QKVFuser", "RotaryFuser", "AttentionFuser"]
+PACKED_ATTENTION = ["PackedQKVFuser", "RotaryFuser", "AttentionFuser"]
 GLU, NORM = ["GLUFuser"], ["RMSNormFuser"]
 
 EXPECTED = {
@@ -48,7 +50,7 @@ EXPECTED = {
         "post_attention_layernorm": NORM,
     },
     # Multi-query c_attn packs q, k, v; LayerNorms and a plain MLP stay as they are.
-    "gpt_bigcode": {"attn": PACKED_ATTENTION},
+    "gpt_bigcode": {"attn": ["PackedQKVFuser", "AttentionFuser"]},
     "olmo2": {
         "self_attn": ATTENTION,
         "self_attn.q_norm": NORM,
