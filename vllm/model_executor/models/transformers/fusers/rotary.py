@@ -105,7 +105,10 @@ def _proven_widths(
     generator = torch.Generator().manual_seed(0)
 
     def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+        # On the CPU whatever the default device (the report builds on `meta`).
+        return torch.randn(
+            *shape, generator=generator, dtype=torch.float64, device="cpu"
+        )
 
     def heads(count: int) -> torch.Tensor:
         shape = [1, count, _PROBE_TOKENS, channels]
