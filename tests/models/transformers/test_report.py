@@ -25,8 +25,13 @@ def test_llama_report_lists_every_fusion_per_class(vllm_runtime):
     assert report.servable and report.reason is None
     assert report.classes["LlamaAttention"].applied == {
         "QKVFuser": 3,
+        "RotaryFuser": 3,
         "AttentionFuser": 3,
     }
+    assert report.classes["LlamaRotaryEmbedding"].applied == {
+        "RotaryEmbeddingFuser": 1
+    }
+    assert report.fusions["rotary"] == 3
     assert report.classes["LlamaMLP"].applied == {"GLUFuser": 3}
     assert report.classes["LlamaRMSNorm"].applied == {"RMSNormFuser": 7}
     assert [a.layer_index for a in report.attention] == [0, 1, 2]
@@ -49,7 +54,7 @@ def test_declined_fusion_is_reported_with_reason_and_location(vllm_runtime):
     # GPT-NeoX packs q, k, v interleaved per head: the packed-QKV fuser must decline.
     report = build_report(small_config("gpt_neox"), "gpt_neox")
     attention = report.classes["GPTNeoXAttention"]
-    assert attention.applied == {"AttentionFuser": 2}
+    assert attention.applied == {"RotaryFuser": 2, "AttentionFuser": 2}
     (declined,) = [d for d in attention.declined if d.fuser == "PackedQKVFuser"]
     assert "cannot be proven" in declined.reason
     assert re.search(r"\.py:\d+$", declined.location)
@@ -210,6 +215,7 @@ def test_command_prints_json_and_plain_text(tmp_path):
     }
     assert data["classes"]["Qwen3Attention"]["applied"] == {
         "QKVFuser": 2,
+        "RotaryFuser": 2,
         "AttentionFuser": 2,
     }
     assert {
