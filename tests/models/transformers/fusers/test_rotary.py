@@ -133,7 +133,7 @@ def test_attention_on_the_half_width_equals_transformers_on_the_whole(
     assert kernel_calls, "the fused function did not take vLLM's kernel"
 
 
-def test_calls_it_was_not_proven_on_run_the_original_on_the_whole(fuse, kernel_calls):
+def test_calls_it_was_not_proven_on_run_the_original_on_the_whole(kernel_calls):
     attention, embedding = ATTENTIONS["llama"]()
     fuser = get_fuser(attention, RotaryFuser)
     fused = fuser._fused_function(modeling_llama.apply_rotary_pos_emb, frozenset())

@@ -158,7 +158,9 @@ class _Call:
     kwargs: tuple[tuple[str, Any], ...]
 
 
-def _rotary_calls(forward: ast.FunctionDef, namespace: dict[str, Any]) -> list[ast.Call]:
+def _rotary_calls(
+    forward: ast.FunctionDef, namespace: dict[str, Any]
+) -> list[ast.Call]:
     """The calls of module-level functions named like a rotary embedding."""
     return [
         node
@@ -474,7 +476,9 @@ def unpaired(plan: "Fusers") -> str | None:
     on the width every embedding hands over; else neither side is fused."""
     widths: dict[int, str] = {}
     for module in (m for m in plan.analysed if is_rotary_embedding(m)):
-        described = f"the rotary embedding {plan.name(module)} ({type(module).__name__})"
+        described = (
+            f"the rotary embedding {plan.name(module)} ({type(module).__name__})"
+        )
         if not any(isinstance(f, RotaryEmbeddingFuser) for f in plan[module]):
             return f"{described} keeps its whole width: {plan.why_not(module)}"
         width = handed_width(module)
@@ -482,7 +486,7 @@ def unpaired(plan: "Fusers") -> str | None:
             return f"{described}: {width}"
         widths.setdefault(width, described)
     if not widths:
-        return "no rotary embedding of this model computes its cos and sin at half width"
+        return "no rotary embedding of this model makes its cos and sin at half width"
     consumers = 0
     for module, analysis in plan.analysed.items():
         found = {type(f).__name__ for f in analysis.fusers}

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.models.transformers.fuser import Fusers
 
 ELEMENTWISE = frozenset({"cos", "sin"}) | fx_utils.CASTS
-"""Operators between the concatenation and the outputs that act on each element alone."""
+"""Operators between the concatenation and the outputs acting on each element alone."""
 SCALINGS = frozenset({"mul", "truediv"})
 """Operators that are elementwise when the other operand is a number."""
 
@@ -32,7 +32,11 @@ def frequencies(module: nn.Module) -> torch.Tensor | None:
     """The rotary frequencies `module` holds (`inv_freq`, or one per layer type,
     `sliding_attention_inv_freq`, as every Transformers rotary embedding does)."""
     return next(
-        (b for name, b in module.named_buffers(recurse=False) if name.endswith("inv_freq")),
+        (
+            buffer
+            for name, buffer in module.named_buffers(recurse=False)
+            if name.endswith("inv_freq")
+        ),
         None,
     )
 
@@ -62,7 +66,9 @@ def _duplicated(node: fx.Node) -> fx.Node | None:
         return None
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if not isinstance(parts, tuple | list) or len(parts) != 2 or parts[0] is not parts[1]:
+    if not (isinstance(parts, tuple | list) and len(parts) == 2):
+        return None
+    if parts[0] is not parts[1]:
         return None
     half = fx_utils.value(parts[0])
     last = -1 if half is None else half.dim() - 1
@@ -177,4 +183,7 @@ class RotaryEmbeddingFuser(RewriteFuser):
         return rotary.unpaired(plan)
 
     def info(self, name: str, module: nn.Module) -> str:
-        return f"Fused: rotary embedding ({name}: {type(module).__name__}) -> half width"
+        return (
+            f"Fused: rotary embedding ({name}: {type(module).__name__}) -> "
+            "half width"
+        )
