@@ -506,34 +506,34 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         return {name.rpartition(".")[2]: "input_embeddings"}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(input_ids)
+        """vLLM's embedding step (multimodal runners merge image features into it)."""
+        embed_tokens: nn.Module = self.model.get_input_embeddings()
+        return embed_tokens(input_ids)
 
     def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, **step: Any
     ) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is not None:  # a later pipeline stage
-            input_ids, inputs_embeds = None, intermediate_tensors["hidden_states"]
-        # vLLM flattens the batch into one sequence of tokens; HF wants a batch of 1.
-        if inputs_embeds is not None:
-            input_ids, inputs_embeds = None, inputs_embeds.unsqueeze(0)
-        else:
-            input_ids = input_ids.unsqueeze(0)
-        hidden_states = self.model(
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
-            position_ids=positions[None] if positions.ndim == 1 else positions[:, None],
-            use_cache=False,
-            return_dict=False,
-            **kwargs,
-        )[0][0]
-        if not self.pp_group.is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states})
-        return hidden_states
+        """One engine step over vLLM's flat sequence of tokens, run as a batch of one
+        through the HF base model. `step` holds the runner's other inputs, all by
+        keyword: `intermediate_tensors` (the hidden states a later pipeline stage
+        starts from), `inputs_embeds` (tokens already embedded), and whatever else
+        the HF forward takes (token types, multimodal positions)."""
+        carried = step.pop("intermediate_tensors", None)
+        embedded = step.pop("inputs_embeds", None)
+        if carried is not None:
+            embedded = carried["hidden_states"]
+        batch: dict[str, torch.Tensor | None] = (
+            {"input_ids": None, "inputs_embeds": embedded[None]}
+            if embedded is not None
+            else {"input_ids": input_ids[None], "inputs_embeds": None}
+        )
+        # M-RoPE positions come as [3, tokens]; HF wants [3, batch, tokens].
+        batch["position_ids"] = positions.unsqueeze(-2)
+        outputs = self.model(**batch, **step, use_cache=False, return_dict=False)
+        hidden_states = outputs[0][0]
+        if self.pp_group.is_last_rank:
+            return hidden_states
+        return IntermediateTensors({"hidden_states": hidden_states})
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.layout.load(

@@ -53,7 +53,7 @@ from vllm.model_executor.models.utils import (
     StageMissingLayer,
     _merge_multimodal_embeddings,
 )
-from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal import MULTIMODAL_REGISTRY, processing
 from vllm.inputs import MultiModalDataDict
 from vllm.multimodal.inputs import (
     MultiModalFeatureSpec,
@@ -61,14 +61,6 @@ from vllm.multimodal.inputs import (
     MultiModalKwargsItems,
 )
 from vllm.multimodal.parse import ImageProcessorItems, ImageSize, MultiModalDataItems
-from vllm.multimodal.processing import (
-    BaseDummyInputsBuilder,
-    BaseMultiModalProcessor,
-    BaseProcessingInfo,
-    PromptReplacement,
-    PromptUpdate,
-    PromptUpdateDetails,
-)
 from vllm.transformers_utils.processor import get_processor_cls_name_from_config
 
 if TYPE_CHECKING:
@@ -137,7 +129,7 @@ def images_only(cls: type[ProcessorMixin]) -> type[ProcessorMixin]:
     )
 
 
-class MultiModalProcessingInfo(BaseProcessingInfo):
+class MultiModalProcessingInfo(processing.BaseProcessingInfo):
     """What vLLM asks about the model's inputs, answered by its Transformers
     processor."""
 
@@ -346,7 +338,9 @@ class MultiModalProcessingInfo(BaseProcessingInfo):
         return {IMAGE: len(self.expansion(size.width, size.height))}
 
 
-class MultiModalDummyInputsBuilder(BaseDummyInputsBuilder[MultiModalProcessingInfo]):
+class MultiModalDummyInputsBuilder(
+    processing.BaseDummyInputsBuilder[MultiModalProcessingInfo]
+):
     """Profiling inputs: as many placeholders as images, each image of the size that
     gives the most image tokens."""
 
@@ -370,7 +364,9 @@ class MultiModalDummyInputsBuilder(BaseDummyInputsBuilder[MultiModalProcessingIn
         }
 
 
-class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
+class MultiModalProcessor(
+    processing.BaseMultiModalProcessor[MultiModalProcessingInfo]
+):
     """The model's Transformers processor on the images; vLLM's own tokenization of
     the prompt, whose placeholders become what the processor writes for them."""
 
@@ -475,20 +471,22 @@ class MultiModalProcessor(BaseMultiModalProcessor[MultiModalProcessingInfo]):
         mm_items: MultiModalDataItems,
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargsItems,
-    ) -> Sequence[PromptUpdate]:
+    ) -> Sequence[processing.PromptUpdate]:
         placeholder = self.info.placeholder()
         target = self.info.get_tokenizer().convert_tokens_to_ids(placeholder)
         image_token_id = self.info.image_token_id()
 
-        def replacement(item: int) -> PromptUpdateDetails:
+        def replacement(item: int) -> processing.PromptUpdateDetails:
             # Asked only for items of `mm_items`, which may hold none: vLLM asks
             # for the updates of the images its cache misses, and a prompt whose
             # images are all cached (an image sent again) has none missing.
             size = mm_items.get_items(IMAGE, ImageProcessorItems).get_image_size(item)
             tokens = list(self.info.expansion(size.width, size.height))
-            return PromptUpdateDetails.select_token_id(tokens, image_token_id)
+            return processing.PromptUpdateDetails.select_token_id(
+                tokens, image_token_id
+            )
 
-        return [PromptReplacement(IMAGE, [target], replacement)]
+        return [processing.PromptReplacement(IMAGE, [target], replacement)]
 
 
 def _rows_alone(processor: ProcessorMixin, image: object, in_prompt: bool) -> int:

@@ -22,7 +22,7 @@ token ids (RoBERTa counts from `padding_idx + 1`, `position_offset`).
 import ast
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -87,28 +87,18 @@ class PoolingMixin(VllmModelForPooling, Base):
         return hf_model
 
     def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        **kwargs,
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, **step: Any
     ) -> torch.Tensor | IntermediateTensors:
-        # A model without token types ignores them, as its Transformers forward does.
-        # One that takes them always gets a tensor (zeros: Transformers' default), so
-        # that one compiled graph serves requests with and without them.
+        # Positions shifted as the model counts them (RoBERTa from padding_idx + 1).
+        # Token types go only to a model that takes them, and always as a tensor
+        # (zeros, Transformers' default, when the request has none), so that one
+        # compiled graph serves requests with and without them.
+        token_types = step.pop("token_type_ids", None)
         if self.takes_token_types:
-            if token_type_ids is None:
-                token_type_ids = torch.zeros_like(positions)
-            kwargs["token_type_ids"] = token_type_ids.to(positions.dtype)[None]
-        return super().forward(
-            input_ids,
-            positions + self.position_offset,
-            intermediate_tensors,
-            inputs_embeds,
-            **kwargs,
-        )
+            if token_types is None:
+                token_types = torch.zeros_like(positions)
+            step["token_type_ids"] = token_types.to(positions.dtype)[None]
+        return super().forward(input_ids, positions + self.position_offset, **step)
 
 
 class EmbeddingMixin(PoolingMixin):

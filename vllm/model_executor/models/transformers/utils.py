@@ -26,6 +26,8 @@ from vllm.model_executor.models.utils import maybe_prefix
 if TYPE_CHECKING:
     from vllm.model_executor.layers.quantization import QuantizationConfig
 
+    QuantConfig = QuantizationConfig | None
+
 logger = init_logger(__name__)
 
 Style = Literal[
@@ -42,15 +44,16 @@ _LINEAR_STYLES: dict[str, tuple[type[nn.Module], dict[str, bool]]] = {
 }
 
 
+VllmLinear = ColumnParallelLinear | RowParallelLinear | ReplicatedLinear
+
+
 def replace_linear_class(
-    linear: nn.Module,
-    style: Style = "replicate",
-    quant_config: "QuantizationConfig | None" = None,
-    *,
-    prefix: str = "",
-) -> ColumnParallelLinear | RowParallelLinear | ReplicatedLinear:
+    linear: nn.Module, style: Style = "replicate", quant_config: "QuantConfig" = None,
+    *, prefix: str = "",
+) -> VllmLinear:  # fmt: skip
     """The vLLM linear that stands in for `linear` (an `nn.Linear`, or a `Conv1D`
-    whose checkpoint weight it loads transposed) under tensor-parallel `style`.
+    whose checkpoint weight it loads transposed) under tensor-parallel `style`,
+    quantised by `quant_config` and named `prefix`.
 
     A style vLLM has no linear for is served replicated, which is always correct."""
     if not isinstance(style, str):
