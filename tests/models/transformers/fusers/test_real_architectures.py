@@ -17,15 +17,19 @@ from vllm.model_executor.models.transformers.fusers import AttentionFuser
 ATTENTION = ["QKVFuser", "RotaryFuser", "AttentionFuser"]
 PACKED_ATTENTION = ["PackedQKVFuser", "RotaryFuser", "AttentionFuser"]
 GLU, NORM = ["GLUFuser"], ["RMSNormFuser"]
+# The decoder layer itself: its residual add into the norm after the attention.
+ADD_NORM = {"": ["AddRMSNormFuser"]}
 
 EXPECTED = {
     "llama": {
+        **ADD_NORM,
         "self_attn": ATTENTION,
         "mlp": GLU,
         "input_layernorm": NORM,
         "post_attention_layernorm": NORM,
     },
     "qwen3": {
+        **ADD_NORM,
         "self_attn": ATTENTION,
         "self_attn.q_norm": NORM,
         "self_attn.k_norm": NORM,
@@ -34,6 +38,7 @@ EXPECTED = {
         "post_attention_layernorm": NORM,
     },
     "gemma3_text": {
+        **ADD_NORM,
         "self_attn": ATTENTION,
         "self_attn.q_norm": NORM,
         "self_attn.k_norm": NORM,
@@ -99,7 +104,8 @@ def test_each_fusion_applies_and_says_so(model_type, vllm_config):
             ):
                 continue
             fused = fuser.fuse(module, name, vllm_config)
-            setattr(layer.get_submodule(parent), child, fused)
+            if name:
+                setattr(layer.get_submodule(parent), child, fused)
             lines.append(fuser.info(name, fused))
     expected = sum(len(f) for f in EXPECTED[model_type].values()) - sum(
         "AttentionFuser" in f for f in EXPECTED[model_type].values()
@@ -107,7 +113,9 @@ def test_each_fusion_applies_and_says_so(model_type, vllm_config):
     assert len(lines) == expected
     assert all(line.startswith("Fused: ") for line in lines)
     if model_type == "llama":
-        assert lines[0] == (
+        assert lines[:2] == [
+            "Fused: residual + hidden_states -> post_attention_layernorm (: "
+            "LlamaDecoderLayer) -> vLLM's fused add-and-norm",
             "Fused: q_proj + k_proj + v_proj (self_attn: LlamaAttention) -> qkv_proj "
-            "(QKVParallelLinear); o_proj -> RowParallelLinear"
-        )
+            "(QKVParallelLinear); o_proj -> RowParallelLinear",
+        ]

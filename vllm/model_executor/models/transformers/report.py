@@ -325,6 +325,7 @@ def coverage_row(report: FusionReport) -> dict[str, object]:
         "glu": "glu" in kinds,
         "rms_norm": "rms_norm" in kinds,
         "rotary": "rotary" in kinds,
+        "add_norm": "add_rms_norm" in kinds,
         "servable": report.servable,
         "reason": report.reason,
     }
@@ -380,7 +381,16 @@ def run_all(as_json: bool, style: Style) -> None:
             continue
         rows.append(coverage_row(build_report(config, model_type)))
     elapsed = time.perf_counter() - started
-    columns = ("built", "attention", "qkv", "glu", "rms_norm", "rotary", "servable")
+    columns = (
+        "built",
+        "attention",
+        "qkv",
+        "glu",
+        "rms_norm",
+        "rotary",
+        "add_norm",
+        "servable",
+    )
     totals = {c: sum(bool(r.get(c)) for r in rows) for c in columns}
     summary = f"{len(rows)} causal-LM model types in {elapsed:.0f} s: " + ", ".join(
         f"{c} {totals[c]}" for c in columns

@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One fuser per file; `FUSER_CLASSES` is the order the registry tries them in."""
 
+from vllm.model_executor.models.transformers.fusers.add_rms_norm import AddRMSNormFuser
 from vllm.model_executor.models.transformers.fusers.attention import AttentionFuser
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
@@ -30,6 +31,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     GLUFuser,
     RotaryEmbeddingFuser,
     RouterFuser,
+    AddRMSNormFuser,
     RMSNormFuser,
     RotaryFuser,
     AttentionFuser,
@@ -38,6 +40,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
 
 __all__ = [
     "FUSER_CLASSES",
+    "AddRMSNormFuser",
     "AttentionFuser",
     "BaseFuser",
     "ExpertsFuser",
