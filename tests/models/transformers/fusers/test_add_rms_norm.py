@@ -13,6 +13,7 @@ from configs import small_config
 from conftest import randomize
 from torch import nn
 from transformers import AutoModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from vllm import ir
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -115,7 +116,7 @@ def test_decoder_equals_transformers_with_the_kernel_writing_in_place(
 def test_in_bfloat16_the_sum_is_transformers_and_its_norm_one_rounding_off(fuse):
     # Transformers normalises the sum rounded to bfloat16; vLLM's native add-and-norm
     # the float32 sum (CUDA's kernel rounds it first, as Transformers does).
-    norm = randomize(HFNorm(HIDDEN), torch.bfloat16)
+    norm = randomize(LlamaRMSNorm(HIDDEN), torch.bfloat16)
     vllm_norm, _ = fuse(copy.deepcopy(norm), torch.bfloat16)
     assert isinstance(vllm_norm, RMSNorm)
     generator = torch.Generator().manual_seed(0)
@@ -129,25 +130,10 @@ def test_in_bfloat16_the_sum_is_transformers_and_its_norm_one_rounding_off(fuse)
     torch.testing.assert_close(normalised, expected, atol=1e-2, rtol=2**-7)
 
 
-class HFNorm(nn.Module):
-    """Transformers' RMSNorm, written out (`RMSNormFuser` takes it)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
-
-
 class Block(nn.Module):
     """A pre-norm decoder block, the add before the second norm as Llama's."""
 
-    def __init__(self, norm: type[nn.Module] = HFNorm):
+    def __init__(self, norm: type[nn.Module] = LlamaRMSNorm):
         super().__init__()
         self.norm1 = norm(HIDDEN)
         self.attn = nn.Linear(HIDDEN, HIDDEN)
@@ -167,7 +153,7 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, block: type[nn.Module] = Block, norm=HFNorm):
+    def __init__(self, block: type[nn.Module] = Block, norm=LlamaRMSNorm):
         super().__init__()
         self.layers = nn.ModuleList([block(norm) for _ in range(2)])
 
@@ -267,7 +253,7 @@ NEAR_MISSES = {
 
 @pytest.mark.parametrize("cls", NEAR_MISSES, ids=lambda c: c.__name__)
 def test_sites_the_statements_do_not_prove_are_declined(cls, declined):
-    block = cls(HFNorm)
+    block = cls(LlamaRMSNorm)
     assert get_fuser(block, AddRMSNormFuser) is None
     (reason,) = declined(AddRMSNormFuser)
     assert NEAR_MISSES[cls] in reason
@@ -330,7 +316,7 @@ class CastsItsBranch(Block):
 def test_operands_of_other_dtypes_take_the_original_statements(
     vllm_config, kernel_calls
 ):
-    block = randomize(CastsItsBranch(HFNorm))
+    block = randomize(CastsItsBranch(LlamaRMSNorm))
     block.attn.to(torch.bfloat16)
     reference = copy.deepcopy(block)
     stack = nn.Module()
