@@ -83,21 +83,32 @@ INVALID: list[tuple[dict[str, Any], str, int]] = [
 ]
 
 
+CANCELLED_PROMPT_TOKENS = 8
+CANCELLED_MAX_TOKENS = tiny.MAX_MODEL_LEN - CANCELLED_PROMPT_TOKENS
+"""A cancelled stream asks for the rest of the context: with 16 tokens, a client slowed
+by the rest of the round (CI, 2 cores) read its first chunk after the engine had
+generated all 16 for every one of the 24, and there was nothing left to abort."""
+
+
 def workload(
     plain: int = 120, stream: int = 120, cancel: int = 24, invalid: int = 28,
     seed: int = 0,
 ) -> list[Request]:  # fmt: skip
     """The requests of one round, shuffled. Valid prompts take from 2 tokens to the
-    whole context with their `max_tokens` (1 to 16): every eighth exactly fills it."""
+    whole context with their `max_tokens` (1 to 16): every eighth exactly fills it.
+    Cancelled streams have short prompts and ask for the rest of the context."""
     rng = random.Random(seed)
     requests = []
     for index in range(plain + stream + cancel):
         kind = (
             "plain" if index < plain else "stream" if index < plain + stream else "cancel"
         )
-        max_tokens = rng.randint(1, tiny.MAX_TOKENS) if kind != "cancel" else 16
-        room = tiny.MAX_MODEL_LEN - max_tokens
-        tokens = room if index % 8 == 0 else rng.randint(2, room)
+        if kind == "cancel":
+            max_tokens, tokens = CANCELLED_MAX_TOKENS, CANCELLED_PROMPT_TOKENS
+        else:
+            max_tokens = rng.randint(1, tiny.MAX_TOKENS)
+            room = tiny.MAX_MODEL_LEN - max_tokens
+            tokens = room if index % 8 == 0 else rng.randint(2, room)
         requests.append(Request(kind, _prompt(rng, tokens), max_tokens))
     for index in range(invalid):
         changes, expect, tokens = INVALID[index % len(INVALID)]
