@@ -15,7 +15,7 @@ import functools
 import inspect
 import os
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,13 +93,24 @@ def _is_private(name: str) -> bool:
     return name.startswith("__") and not name.endswith("__")
 
 
-def _stored_names(tree: ast.AST) -> Iterator[ast.Name]:
-    """Every name `tree` binds or deletes."""
-    return (
+def stored_names(tree: ast.AST, name: str | None = None) -> list[ast.Name]:
+    """Every name `tree` binds or deletes (only `name`, where given)."""
+    return [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
-    )
+        if isinstance(n, ast.Name)
+        and not isinstance(n.ctx, ast.Load)
+        and name in (None, n.id)
+    ]
+
+
+def loaded_names(tree: ast.AST, name: str) -> list[ast.Name]:
+    """Every read of `name` in `tree`."""
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    ]
 
 
 def _writes_in_place(tree: ast.AST) -> bool:
@@ -240,14 +251,10 @@ class ForwardRewrite:
         return base
 
     def stores(self, name: str) -> list[ast.Name]:
-        return [n for n in _stored_names(self.tree) if n.id == name]
+        return stored_names(self.tree, name)
 
     def loads(self, name: str) -> list[ast.Name]:
-        return [
-            n
-            for n in ast.walk(self.tree)
-            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
-        ]
+        return loaded_names(self.tree, name)
 
     def _parent(self, node: ast.AST) -> ast.AST | None:
         return next(
@@ -301,10 +308,9 @@ class ForwardRewrite:
             else end
         )
         if any(
-            n.id == name
+            stored_names(tree, name)
             for tree in (*block[first:last], end_value)
             if tree is not None
-            for n in _stored_names(tree)
         ):
             return False
         # A write through any name may be a write to this value (an alias).
@@ -315,10 +321,9 @@ class ForwardRewrite:
             return True
         # Bound by a statement that runs before the region, at its level or above.
         return any(
-            n.id == name
+            stored_names(s, name)
             for b, index in [(block, first), *self._blocks(block[first])[1:]]
             for s in b[:index]
-            for n in _stored_names(s)
         )
 
     def existence_guards(self) -> dict[str, list[ast.Compare]]:

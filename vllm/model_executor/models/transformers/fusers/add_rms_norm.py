@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.rewriting import (
     ForwardRewrite,
     forward_source,
     is_self_attribute,
+    stored_names,
 )
 
 if TYPE_CHECKING:
@@ -57,10 +58,14 @@ def _mentions(tree: ast.AST, name: str) -> bool:
 
 
 def _binds(statement: ast.stmt, name: str) -> bool:
-    return any(
-        isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load)
-        for n in ast.walk(statement)
-    )
+    return bool(stored_names(statement, name))
+
+
+def _holds_weights(module: nn.Module, child: str) -> bool:
+    """Whether `module.<child>` is a module with parameters: its output is a new
+    tensor (a child without any may hand back its input: dropout, identity)."""
+    found = getattr(module, child, None)
+    return isinstance(found, nn.Module) and any(True for _ in found.parameters())
 
 
 def _self_call(node: ast.AST) -> str | None:
@@ -126,9 +131,7 @@ def _unshared_output(
         raise ValueError(
             f"`{hidden}` is not bound to a child module's output before the add"
         )
-    child = getattr(module, source, None)
-    if not isinstance(child, nn.Module) or not any(True for _ in child.parameters()):
-        # A child without parameters may hand back its input (dropout, identity).
+    if not _holds_weights(module, source):
         raise ValueError(f"`{hidden}` comes from self.{source}, which holds no weights")
     if any(_mentions(s, hidden) for s in body[bound + 1 : index]):
         raise ValueError(f"`{hidden}` is read between self.{source} and the add")
@@ -238,10 +241,7 @@ class AddRMSNormFuser(RewriteFuser):
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         for site in self.sites:
-            source = getattr(module, site.source, None)
-            if not isinstance(source, nn.Module) or not any(
-                True for _ in source.parameters()
-            ):
+            if not _holds_weights(module, site.source):
                 return f"self.{site.source} holds no weights in this instance"
             if not isinstance(getattr(module, site.norm, None), nn.Module):
                 return f"this instance has no module self.{site.norm}"

@@ -27,7 +27,10 @@ from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
     is_rotary_embedding,
 )
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
-from vllm.model_executor.models.transformers.rewriting import forward_source
+from vllm.model_executor.models.transformers.rewriting import (
+    forward_source,
+    loaded_names,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -190,14 +193,6 @@ def _read_call(call: ast.Call) -> _Call | str:
     )
 
 
-def _loads(tree: ast.AST, name: str) -> list[ast.Name]:
-    return [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
-    ]
-
-
 def _none_test(node: ast.Name, tree: ast.AST) -> bool:
     """Whether `node` is only compared with `None` (`x is None`, `x is not None`)."""
     return any(
@@ -217,7 +212,7 @@ def _read_elsewhere(forward: ast.FunctionDef, calls: list[ast.Call]) -> str | No
     if not all(isinstance(a, ast.Name) for a in handed):
         return "cos and sin are not handed to it as local names"
     for name in {a.id for a in handed}:
-        if any(not any(n is a for a in handed) for n in _loads(forward, name)):
+        if any(not any(n is a for a in handed) for n in loaded_names(forward, name)):
             return f"`{name}` is read elsewhere in the forward"
         for statement in ast.walk(forward):
             if not (
@@ -231,7 +226,7 @@ def _read_elsewhere(forward: ast.FunctionDef, calls: list[ast.Call]) -> str | No
             ):
                 continue
             source = statement.value.id
-            for load in _loads(forward, source):
+            for load in loaded_names(forward, source):
                 if load is not statement.value and not _none_test(load, forward):
                     return f"`{source}` is read elsewhere in the forward"
     return None
