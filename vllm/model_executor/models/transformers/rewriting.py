@@ -256,21 +256,17 @@ class ForwardRewrite:
     def loads(self, name: str) -> list[ast.Name]:
         return loaded_names(self.tree, name)
 
-    def _parent(self, node: ast.AST) -> ast.AST | None:
-        return next(
-            (
-                p
-                for p in ast.walk(self.tree)
-                if any(c is node for c in ast.iter_child_nodes(p))
-            ),
-            None,
-        )
+    def _parents(self) -> dict[int, ast.AST]:
+        """Each node's parent, by the node's `id`: one walk, made afresh for each
+        question because the rewrite changes the tree between them."""
+        return {id(c): p for p in ast.walk(self.tree) for c in ast.iter_child_nodes(p)}
 
     def _blocks(self, node: ast.AST) -> list[tuple[list[ast.stmt], int]]:
         """The statement lists enclosing `node`, innermost first, each with the index
         of the statement that holds `node`."""
+        parents = self._parents()
         chain = []
-        while (parent := self._parent(node)) is not None:
+        while (parent := parents.get(id(node))) is not None:
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(parent, field, None)
                 if isinstance(block, list) and any(s is node for s in block):
@@ -374,7 +370,7 @@ class ForwardRewrite:
 
     def replace(self, old: ast.AST, new: ast.AST) -> None:
         """Put `new` where `old` is."""
-        parent = self._parent(old)
+        parent = self._parents()[id(old)]
         for field, current in ast.iter_fields(parent):
             if current is old:
                 setattr(parent, field, new)
