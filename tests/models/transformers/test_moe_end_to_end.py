@@ -42,9 +42,11 @@ ARCHS = [
     "gemma4_moe",
 ]
 
-COMPILED = "afmoe"
-"""Checked under torch.compile only (one engine start less for the suite): a first
-dense layer, then routers handed their block's correction bias, a shared expert."""
+COMPILED = ("afmoe", "qwen3_moe")
+"""Checked under torch.compile only (one engine start less for the suite each).
+AFMoE: a first dense layer, then routers handed their block's correction bias, a
+shared expert. Qwen3-MoE: blocks handing vLLM's router's choice straight to the
+fused MoE (`MoEBlockFuser`); eager above."""
 
 DEEPSEEK = "deepseek_v3_moe"
 """Latent attention and MoE layers (grouped top-k over sigmoid scores with a
@@ -53,7 +55,7 @@ correction bias, routed scaling, a shared expert) after a first dense layer."""
 E2E_IMPL = tiny.e2e_impl()
 
 
-@pytest.mark.parametrize("model_type", [*ARCHS, COMPILED, DEEPSEEK])
+@pytest.mark.parametrize("model_type", list(dict.fromkeys([*ARCHS, *COMPILED, DEEPSEEK])))
 def test_reference_is_well_separated(model_type):
     """Greedy choices must not hinge on float32 noise."""
     tiny.check_well_separated(model_type)
@@ -93,19 +95,21 @@ def test_every_experts_module_runs_on_vllm_fused_moe(model_type):
 
 
 @pytest.mark.engine
-def test_compiled_matches_transformers():
+@pytest.mark.parametrize("model_type", COMPILED)
+def test_compiled_matches_transformers(model_type):
     """Under vLLM's torch.compile integration (the engine's default): AFMoE's
-    routers copy the bias their blocks hand in into vLLM's router on every step,
-    its experts run on vLLM's fused MoE, its first layer is dense."""
+    routers copy the bias their blocks hand in into vLLM's router on every step;
+    Qwen3-MoE's blocks hand the packed choice across the fused MoE's custom op;
+    the experts run on vLLM's fused MoE."""
     run = tiny.run_engine(
-        tiny.checkpoint(COMPILED),
+        tiny.checkpoint(model_type),
         probe=True,
         llm_kwargs=dict(enforce_eager=False),
         **tiny.IMPLS[E2E_IMPL],
     )
     assert all(worker["compiled"] for worker in run.probe)
-    gap = compare(reference(COMPILED), run.completions)
-    report(f"{COMPILED} ({E2E_IMPL}, compiled) vs Transformers", run, gap)
+    gap = compare(reference(model_type), run.completions)
+    report(f"{model_type} ({E2E_IMPL}, compiled) vs Transformers", run, gap)
 
 
 @pytest.mark.engine

@@ -121,8 +121,7 @@ def test_moe_blocks_are_listed_with_router_experts_top_k_activation_and_path(vll
             f"model.layers.{i}.mlp.gate (MixtralTopKRouter): router -> vLLM's "
             "router: softmax top-2, renormalised",
             f"model.layers.{i}.mlp.experts (MixtralExperts): 4 experts, top-2, "
-            "silu; path: experts interface (vLLM fused MoE), routed by the block's "
-            "router",
+            "silu; vLLM fused MoE, routed by the block's router",
         )
     ]
     rendered = render(report, Style(False))

@@ -50,15 +50,21 @@ def vllm_experts_forward(
     return layer(hidden_states, top_k_index, top_k_weights)
 
 
+def pack_choice(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A router's choice, `[weights | ids]` in float32 (exact for ids below 2**24),
+    as vLLM's fused MoE takes it in place of router logits: its custom-op boundary
+    passes tensors only, and `routing_chosen_by_transformers` unpacks it inside."""
+    return torch.cat((weights.float(), ids.float()), dim=-1)
+
+
 def routing_chosen_by_transformers(
     hidden_states: torch.Tensor,
     gating_output: torch.Tensor,
     topk: int,
     renormalize: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's custom routing function for experts the HF router already chose:
-    `gating_output` carries that choice, `[weights | ids]`, in float32 (exact for
-    ids below 2**24)."""
+    """vLLM's custom routing function for experts the block's router already
+    chose: `gating_output` is that choice, from `pack_choice`."""
     weights, ids = gating_output.split(topk, dim=-1)
     return weights, ids.to(torch.int32)
 
@@ -91,7 +97,7 @@ class ExpertsLayout:
 
 class VllmExperts(nn.Module):
     """One HF experts module's experts as vLLM's fused MoE (`FusedMoEFactory`),
-    with the routing handed in (`routing_chosen_by_transformers`)."""
+    with the routing handed in (`pack_choice`, `routing_chosen_by_transformers`)."""
 
     def __init__(self, layout: ExpertsLayout, vllm_config: "VllmConfig", prefix: str):
         super().__init__()
@@ -115,13 +121,17 @@ class VllmExperts(nn.Module):
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        if top_k_index.shape[-1] != self.layout.top_k:
+        return self.run(hidden_states, pack_choice(top_k_weights, top_k_index))
+
+    def run(self, hidden_states: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+        """The experts on the router's `choice` (`pack_choice`), which a rewritten
+        MoE block hands straight in (`fusers/moe_block.py`)."""
+        if choice.shape[-1] != 2 * self.layout.top_k:
             raise ValueError(
-                f"The router chose {top_k_index.shape[-1]} experts per token, but "
+                f"The router chose {choice.shape[-1] // 2} experts per token, but "
                 f"vLLM's fused MoE was built for {self.layout.top_k}."
             )
-        routing = torch.cat((top_k_weights.float(), top_k_index.float()), dim=-1)
-        return self.moe(hidden_states, routing)
+        return self.moe(hidden_states, choice)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load the experts from HF's fused tensors (`gate_up_proj`, `down_proj`,

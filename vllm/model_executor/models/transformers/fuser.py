@@ -285,6 +285,10 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
     def __getitem__(self, module: nn.Module) -> tuple[BaseFuser, ...]:
         return self._fusers.get(module, ())
 
+    def fuser(self, module: nn.Module, cls: type[F]) -> F | None:
+        """The fuser of class `cls` the plan gives `module`, if any."""
+        return next((f for f in self[module] if isinstance(f, cls)), None)
+
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._fusers)
 

@@ -17,6 +17,7 @@ from vllm.model_executor.layers.fused_moe.router.router_factory import (
     create_fused_moe_router,
 )
 from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.transformers.experts import pack_choice
 
 ROUTER_ATTR = "vllm_router"
 """Where the vLLM router lives on the HF router module."""
@@ -152,14 +153,30 @@ class VllmRouter(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, *handed: torch.Tensor, **by_name: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        input_dtype = hidden_states.dtype
+        logits, weights, ids = self._choose(hidden_states, (*handed, *by_name.values()))
+        return route_outputs(self.routing, logits, weights, ids, hidden_states.dtype)
+
+    def choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts chosen for each token and their weights, packed as vLLM's
+        fused MoE takes them (`pack_choice`): for a block whose forward hands the
+        router's choice to its experts and reads it nowhere else
+        (`fusers/moe_block.py`), which so skips Transformers' experts interface."""
+        _, weights, ids = self._choose(hidden_states, ())
+        return pack_choice(
+            chosen_weights(self.routing, weights, hidden_states.dtype), ids
+        )
+
+    def _choose(
+        self, hidden_states: torch.Tensor, inputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The logits, and vLLM's `[tokens, top_k]` weights and ids, for the hidden
+        states and what the caller hands in (the correction bias, if it keeps it)."""
         if hidden_states.dim() not in self.ranks:
             raise ValueError(
                 f"{self.prefix}: the router was proven to route as Transformers' "
                 f"for hidden states of {' or '.join(map(str, self.ranks))} "
                 f"dimensions, and got {hidden_states.dim()}"
             )
-        inputs = (*handed, *by_name.values())
         if len(inputs) != self.routing.correction_handed_in:
             raise TypeError(
                 f"{self.prefix}: the router takes the hidden states"
@@ -176,7 +193,7 @@ class VllmRouter(nn.Module):
         weights, ids = self.router.select_experts(
             hidden_states.reshape(-1, self.hidden_size), _scored_logits(logits)
         )
-        return route_outputs(self.routing, logits, weights, ids, input_dtype)
+        return logits, weights, ids
 
 
 def _scored_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -197,6 +214,18 @@ def load_per_expert(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.reshape(param.shape))
 
 
+def chosen_weights(
+    routing: Routing, weights: torch.Tensor, input_dtype: torch.dtype
+) -> torch.Tensor:
+    """vLLM's top-k weights as the HF router hands them on: scaled, and rounded to
+    its input's dtype where it rounds them."""
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
+    if routing.weights_in_input_dtype:
+        weights = weights.to(input_dtype)
+    return weights
+
+
 def route_outputs(
     routing: Routing,
     logits: torch.Tensor,
@@ -206,14 +235,10 @@ def route_outputs(
 ) -> tuple[torch.Tensor, ...]:
     """The router's outputs, in its order, from vLLM's `[tokens, top_k]` choice
     for an input of `input_dtype`."""
-    if routing.scale != 1.0:
-        weights = weights * routing.scale
-    if routing.weights_in_input_dtype:
-        weights = weights.to(input_dtype)
     shape = (*logits.shape[:-1], routing.top_k)
     found = {
         "logits": logits,
-        "weights": weights.reshape(shape),
+        "weights": chosen_weights(routing, weights, input_dtype).reshape(shape),
         # int64, as `torch.topk` gives them to Transformers' routers: experts the
         # backend leaves to Transformers index with them (`one_hot` takes no other).
         "ids": ids.reshape(shape).long(),

@@ -12,6 +12,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
 from vllm.model_executor.models.transformers.fusers.experts import ExpertsFuser
 from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
+from vllm.model_executor.models.transformers.fusers.moe_block import MoEBlockFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
 from vllm.model_executor.models.transformers.fusers.qkv import QKVFuser
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
@@ -32,6 +33,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     RotaryEmbeddingFuser,
     RouterFuser,
     AddRMSNormFuser,
+    MoEBlockFuser,
     RMSNormFuser,
     RotaryFuser,
     AttentionFuser,
@@ -46,6 +48,7 @@ __all__ = [
     "ExpertsFuser",
     "GLUFuser",
     "MLAFuser",
+    "MoEBlockFuser",
     "PackedQKVFuser",
     "QKVFuser",
     "RMSNormFuser",

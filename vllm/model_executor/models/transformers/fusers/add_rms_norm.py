@@ -250,12 +250,12 @@ class AddRMSNormFuser(RewriteFuser):
     @classmethod
     def cross_check(cls, plan: "Fusers") -> str | None:
         for module in plan:
-            fuser = next((f for f in plan[module] if isinstance(f, cls)), None)
+            fuser = plan.fuser(module, cls)
             if fuser is None:
                 continue
             for norm in fuser.norms:
                 child = getattr(module, norm)
-                if not any(isinstance(f, RMSNormFuser) for f in plan[child]):
+                if plan.fuser(child, RMSNormFuser) is None:
                     return (
                         f"{plan.name(module)}.{norm} ({type(child).__name__}) is not "
                         f"on vLLM's RMSNorm: {plan.why_not(child)}"

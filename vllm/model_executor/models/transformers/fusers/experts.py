@@ -257,8 +257,8 @@ class ExpertsFuser(BaseFuser):
         bias = ", with biases" if layout.has_bias else ""
         return (
             f"{name} ({type(module).__name__}): {layout.num_experts} experts, "
-            f"top-{layout.top_k}, {layout.activation}{bias}; path: experts "
-            "interface (vLLM fused MoE), routed by the block's router"
+            f"top-{layout.top_k}, {layout.activation}{bias}; vLLM fused MoE, "
+            "routed by the block's router"
         )
 
     def info(self, name: str, module: nn.Module) -> str:

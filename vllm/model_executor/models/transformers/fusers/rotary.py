@@ -474,7 +474,7 @@ def unpaired(plan: "Fusers") -> str | None:
         described = (
             f"the rotary embedding {plan.name(module)} ({type(module).__name__})"
         )
-        if not any(isinstance(f, RotaryEmbeddingFuser) for f in plan[module]):
+        if plan.fuser(module, RotaryEmbeddingFuser) is None:
             return f"{described} keeps its whole width: {plan.why_not(module)}"
         width = handed_width(module)
         if isinstance(width, str):
@@ -490,7 +490,7 @@ def unpaired(plan: "Fusers") -> str | None:
             continue
         consumers += 1
         described = f"{plan.name(module)} ({type(module).__name__})"
-        fuser = next((f for f in plan[module] if isinstance(f, RotaryFuser)), None)
+        fuser = plan.fuser(module, RotaryFuser)
         if fuser is None:
             return (
                 f"{described} does not apply the rotary embedding on vLLM's kernel: "
