@@ -181,7 +181,15 @@ class PassesByKeyword(Qwen3MoeSparseMoeBlock):
         return self.experts(hidden_states, top_k_index=ids, top_k_weights=weights)
 
 
+class KeepsTheLogits(Qwen3MoeSparseMoeBlock):
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        self.last_logits, weights, ids = self.gate(hidden_states)
+        return self.experts(hidden_states, ids, weights)
+
+
 NEAR_MISSES = {
+    KeepsTheLogits: "it unpacks the router's outputs into more than names",
     ReadsTheWeights: "`weights`, handed to self.experts, is bound or read elsewhere",
     ReadsTheLogits: "it reads another output of self.gate",
     ChangesTheIds: "are not unpacked from one `self.<router>(x)` statement",

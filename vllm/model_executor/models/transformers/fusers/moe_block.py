@@ -132,15 +132,15 @@ class MoEBlockFuser(RewriteFuser):
             names = [t.id if isinstance(t, ast.Name) else None for t in targets]
             if ids not in names or weights not in names:
                 continue
-            if any(len(loaded_names(tree, n)) for n in names if n not in (ids, weights)):
+            if None in names:
+                return cls.decline(
+                    module, "it unpacks the router's outputs into more than names"
+                )
+            if any(loaded_names(tree, n) for n in names if n not in (ids, weights)):
                 return cls.decline(
                     module,
                     f"it reads another output of self.{router_call.func.attr} than "
                     "the ids and weights it hands its experts",
-                )
-            if None in names:
-                return cls.decline(
-                    module, "it unpacks the router's outputs into more than names"
                 )
             return cls(
                 router=router_call.func.attr,
