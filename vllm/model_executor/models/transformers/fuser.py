@@ -289,6 +289,12 @@ class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
         """The fuser of class `cls` the plan gives `module`, if any."""
         return next((f for f in self[module] if isinstance(f, cls)), None)
 
+    def taking(self, cls: type[F]) -> Iterator[tuple[nn.Module, F]]:
+        """Each module the plan gives a fuser of class `cls`, with that fuser."""
+        for module in self:
+            if (fuser := self.fuser(module, cls)) is not None:
+                yield module, fuser
+
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self._fusers)
 

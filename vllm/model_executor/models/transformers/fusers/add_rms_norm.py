@@ -249,10 +249,7 @@ class AddRMSNormFuser(RewriteFuser):
 
     @classmethod
     def cross_check(cls, plan: "Fusers") -> str | None:
-        for module in plan:
-            fuser = plan.fuser(module, cls)
-            if fuser is None:
-                continue
+        for module, fuser in plan.taking(cls):
             for norm in fuser.norms:
                 child = getattr(module, norm)
                 if plan.fuser(child, RMSNormFuser) is None:

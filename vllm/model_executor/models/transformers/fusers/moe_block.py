@@ -190,10 +190,7 @@ class MoEBlockFuser(RewriteFuser):
 
     @classmethod
     def cross_check(cls, plan: "Fusers") -> str | None:
-        for module in plan:
-            fuser = plan.fuser(module, cls)
-            if fuser is None:
-                continue
+        for module, fuser in plan.taking(cls):
             router, experts = (
                 getattr(module, name) for name in (fuser.router, fuser.experts)
             )
