@@ -57,16 +57,21 @@ def kernel_calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("head_dim_at", [1, 2])
 @pytest.mark.parametrize("width", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_rotates_as_written_out(head_dim_at, width, dtype):
+# The cos and sin of one sequence may serve a batch of them (broadcast).
+@pytest.mark.parametrize("batch, cos_batch", [(1, 1), (2, 1), (2, 2)])
+def test_the_kernel_rotates_as_written_out(head_dim_at, width, dtype, batch, cos_batch):
     generator = torch.Generator().manual_seed(0)
     # Views of one projection, as attention modules hand them over.
-    projection = torch.randn(TOKENS, 6 * 16, generator=generator, dtype=dtype)
-    shape = (1, TOKENS, -1, 16)
-    query = projection[:, : 4 * 16].view(shape).transpose(1, 2)
-    key = projection[:, 4 * 16 :].view(shape).transpose(1, 2)
+    projection = torch.randn(batch, TOKENS, 6 * 16, generator=generator, dtype=dtype)
+    shape = (batch, TOKENS, -1, 16)
+    query = projection[..., : 4 * 16].view(shape).transpose(1, 2)
+    key = projection[..., 4 * 16 :].view(shape).transpose(1, 2)
     if head_dim_at == 2:
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-    cos, sin = (torch.randn(1, TOKENS, width, generator=generator, dtype=dtype) for _ in "cs")
+    cos, sin = (
+        torch.randn(cos_batch, TOKENS, width, generator=generator, dtype=dtype)
+        for _ in "cs"
+    )
     before = projection.clone()
 
     rotated = rotary.rotate(query, key, cos, sin, head_dim_at)

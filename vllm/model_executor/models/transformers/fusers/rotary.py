@@ -4,7 +4,6 @@
 
 import ast
 import inspect
-import math
 import re
 import types
 from collections.abc import Callable
@@ -71,28 +70,18 @@ def rotate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`neox` of the query and the key, by vLLM's kernel, on copies (the inputs may
     be views of a projection that something else reads)."""
-    query = query.movedim(head_dim_at, -2).clone(memory_format=torch.contiguous_format)
-    key = key.movedim(head_dim_at, -2).clone(memory_format=torch.contiguous_format)
-    tokens, width = query.shape[:-2], cos.shape[-1]
-    count = math.prod(tokens)
+    query = query.movedim(head_dim_at, 2).clone(memory_format=torch.contiguous_format)
+    key = key.movedim(head_dim_at, 2).clone(memory_format=torch.contiguous_format)
+    batch, tokens, _, head_size = query.shape
+    count = batch * tokens
     # One row of the kernel's cos/sin cache per token, each at its own position.
-    cache = torch.cat(
-        (
-            cos.expand(*tokens, width).reshape(count, width),
-            sin.expand(*tokens, width).reshape(count, width),
-        ),
-        dim=-1,
-    ).to(query.dtype)
+    cache = torch.cat((cos, sin), dim=-1).to(query.dtype)
+    cache = cache.expand(batch, tokens, -1).reshape(count, -1)
     positions = torch.arange(count, device=query.device)
     ops.rotary_embedding(
-        positions,
-        query.view(count, -1),
-        key.view(count, -1),
-        query.shape[-1],
-        cache,
-        True,
+        positions, query.view(count, -1), key.view(count, -1), head_size, cache, True
     )
-    return query.movedim(-2, head_dim_at), key.movedim(-2, head_dim_at)
+    return query.movedim(2, head_dim_at), key.movedim(2, head_dim_at)
 
 
 def _proven_widths(
