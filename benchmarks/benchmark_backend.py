@@ -19,7 +19,11 @@ a Qwen3-MoE) and each mode (`--modes`: eager, and vLLM's default compilation):
    whole generation (`MAX_TOKENS` out) and the prefill alone (one token out):
    generation tok/s = output tokens / whole; prefill tok/s = prompt tokens / prefill;
    decode tok/s = the other output tokens / (whole - prefill). Ratios to native are
-   medians of the per-round ratios.
+   medians of the per-round ratios. Inside the worker, each decode step's model
+   forward is timed as well (the model alone, no engine around it); a turn's number
+   is the tenth percentile of its steps, which a busy machine disturbs far less than
+   a whole batch. `--size tiny` (hidden 128) leaves the matmuls out of it: what
+   remains is each implementation's per-layer Python.
 2. **Engine start**, cold (a fresh compile cache, `VLLM_CACHE_ROOT`) and warm (a
    second start of the same engine on the cache the first one left), compiled mode.
 3. **Construction** on the `meta` device, per implementation, in one process each:
@@ -35,6 +39,8 @@ matplotlib, which `scripts/benchmark.sh` installs; the tests do not need it).
     bash scripts/benchmark.sh                          # everything (about an hour)
     bash scripts/benchmark.sh --models llama --modes eager --rounds 3   # quicker
     bash scripts/benchmark.sh --skip-throughput        # construction only
+    bash scripts/benchmark.sh --size tiny --modes eager --skip-construction
+                                                       # per-layer overhead
     bash scripts/benchmark.sh --dtype float32 --profile   # + ops of one batch each
 
 Runs made part by part (`--out` each) merge into one summary, tables and plot:
@@ -114,6 +120,30 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 """`--models` -> the config of the random model benchmarked."""
 
+SIZES: dict[str, dict[str, Any]] = {
+    "medium": {},
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+    ),
+}
+"""`--size` -> what changes in each model's config. Tiny keeps the depth, the batch
+and every module but makes the matmuls vanish: what is left of a decode step is the
+engine's Python and the model's (the same engine for all three, so the difference
+is the model's per-layer overhead). Keys a model type does not have are dropped."""
+
+
+def model_config(model_type: str, size: str) -> dict[str, Any]:
+    """The config kwargs of the random `model_type` of `size`."""
+    config = dict(MODELS[model_type])
+    config.update({k: v for k, v in SIZES[size].items() if k in config})
+    return config
+
 MODES = {"eager": True, "compiled": False}
 """`--modes` -> `enforce_eager`."""
 
@@ -171,18 +201,19 @@ ENGINE_TIMEOUT = 420.0
 # --- the checkpoint ------------------------------------------------------------
 
 
-def checkpoint(dtype: str, model_type: str = "llama") -> Path:
-    """Build (or reuse) the random `model_type` checkpoint, saved in `dtype`."""
+def checkpoint(dtype: str, model_type: str = "llama", size: str = "medium") -> Path:
+    """Build (or reuse) the random `model_type` checkpoint of `size`, saved in
+    `dtype`."""
     import hashlib
 
-    config_kwargs = MODELS[model_type]
+    config_kwargs = model_config(model_type, size)
     recipe = json.dumps(
         dict(model=config_kwargs, seed=MODEL_SEED, dtype=dtype), sort_keys=True
     )
     if model_type != "llama":  # the Llama's stamp predates the other models
         recipe += model_type
     stamp = hashlib.sha256(recipe.encode()).hexdigest()[:12]
-    target = CACHE / "models" / f"{model_type}-medium-{dtype}-{stamp}"
+    target = CACHE / "models" / f"{model_type}-{size}-{dtype}-{stamp}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
 
@@ -254,6 +285,35 @@ def profile_stop(model) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])[:PROFILE_ROWS]
 
 
+_DECODE_STEPS: list[float] = []
+
+
+def time_decode_steps(worker) -> bool:
+    """Runs inside the engine's worker: record how long each decode step's model
+    forward takes (the runner's `_model_forward`, the model alone: no scheduling, no
+    sampling, no messages between the engine's processes), for the steps that run
+    one token of each of the batch's sequences."""
+    forward = worker.model_runner._model_forward
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        output = forward(*args, **kwargs)
+        positions = kwargs.get("positions")
+        if positions is not None and positions.shape[-1] == BATCH:
+            _DECODE_STEPS.append(time.perf_counter() - started)
+        return output
+
+    worker.model_runner._model_forward = timed
+    return True
+
+
+def decode_steps(worker) -> list[float]:
+    """Runs inside the engine's worker: the decode steps timed since the last call."""
+    steps = list(_DECODE_STEPS)
+    _DECODE_STEPS.clear()
+    return steps
+
+
 def engine_main(spec_file: str) -> None:
     """One engine: start, warm up, connect back, then time batches on request.
 
@@ -300,25 +360,25 @@ def engine_main(spec_file: str) -> None:
     started = time.perf_counter()
     llm.generate(batch, params, use_tqdm=False)
     warmup_s = time.perf_counter() - started
+    # `benchmark_backend` (not `__main__`) is importable in the worker (PYTHONPATH).
+    import benchmark_backend
+
+    llm.collective_rpc(benchmark_backend.time_decode_steps)
 
     connection = Client(spec["address"], authkey=bytes.fromhex(spec["authkey"]))
     connection.send(dict(start_s=start_s, warmup_s=warmup_s))
     while True:
         command = connection.recv()
         if command[0] == "run":
+            llm.collective_rpc(benchmark_backend.decode_steps)
             runs = [timed(params) for _ in range(command[1])]
+            steps = llm.collective_rpc(benchmark_backend.decode_steps)[0]
             prefills = [timed(prefill) for _ in range(command[1])]
-            connection.send(dict(runs=runs, prefills=prefills))
+            connection.send(dict(runs=runs, prefills=prefills, steps=steps))
         elif command[0] == "probe":
-            # `benchmark_backend` (not `__main__`) is importable in the worker
-            # (PYTHONPATH).
-            import benchmark_backend
-
             probed = llm.apply_model(benchmark_backend.probe)
             connection.send(probed[0] if probed else None)
         elif command[0] == "profile":
-            import benchmark_backend
-
             llm.apply_model(benchmark_backend.profile_start)
             started = time.perf_counter()
             llm.generate(batch, params, use_tqdm=False)
@@ -446,11 +506,20 @@ def _best(runs: list[dict[str, Any]]) -> float:
     return min(r["seconds"] for r in runs)
 
 
+STEP_QUANTILE = 0.1
+"""Which of a turn's timed decode steps is its number: the tenth percentile, so a
+step that other work on the machine slowed down does not count, and a lone fast
+outlier does not either."""
+
+
 def round_numbers(answer: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
-    """One engine's turn in a round: the best whole batch and the best prefill."""
+    """One engine's turn in a round: the best whole batch and the best prefill, and
+    the model forward of a decode step (`STEP_QUANTILE` of the turn's steps)."""
     whole, prefill = _best(answer["runs"]), _best(answer["prefills"])
     tokens = answer["runs"][0]["tokens"]
+    steps = sorted(answer["steps"])
     return dict(
+        model_step_s=steps[int(len(steps) * STEP_QUANTILE)],
         generate_tok_s=tokens / whole,
         prefill_tok_s=prompt_tokens / prefill,
         # The first output token comes with the prefill.
@@ -474,7 +543,7 @@ def measure(
     `args.rounds` rounds are done or another would end more than `args.budget`
     seconds after the first began. Compiled, each engine then starts once more on
     the cache its first start left (warm)."""
-    model = checkpoint(args.dtype, model_type)
+    model = checkpoint(args.dtype, model_type, args.size)
     spec = dict(
         model=str(model),
         dtype=args.dtype,
@@ -534,7 +603,8 @@ def measure(
                     + ", ".join(
                         f"{n} {rounds[n][-1]['generate_tok_s']:5.0f} "
                         f"(prefill {rounds[n][-1]['prefill_tok_s']:5.0f}, decode "
-                        f"{rounds[n][-1]['decode_tok_s']:4.0f})"
+                        f"{rounds[n][-1]['decode_tok_s']:4.0f}, model step "
+                        f"{rounds[n][-1]['model_step_s'] * 1e3:.2f} ms)"
                         for n in names
                     )
                     + f" tok/s (load avg {os.getloadavg()[0]:.1f})",
@@ -570,8 +640,9 @@ def measure(
 
     return dict(
         model=dict(
-            MODELS[model_type],
+            model_config(model_type, args.size),
             model_type=model_type,
+            size=args.size,
             dtype=args.dtype,
             path=os.path.relpath(model, REPO),
         ),
@@ -793,12 +864,66 @@ LABELS = {
 }
 
 
+def _size(result: dict[str, Any]) -> str:
+    return result["model"].get("size", "medium")  # summaries before `--size`
+
+
+def _label(result: dict[str, Any]) -> str:
+    """The model's row label: its type, and its size where it is not the medium."""
+    size = _size(result)
+    model_type = result["model"]["model_type"]
+    return model_type if size == "medium" else f"{model_type} ({size})"
+
+
+def _step_table(results: list[dict[str, Any]]) -> list[str]:
+    """The model forward of a decode step per implementation (the median over
+    rounds), and what this backend's and the stock backend's cost over native's per
+    layer (the median of the per-round differences). At the tiny size this is the
+    per-layer Python overhead. Nothing for summaries from before the steps were
+    timed."""
+    timed = [res for res in results if "model_step_s" in res["per_round"]["this"][0]]
+    if not timed:
+        return []
+    lines = [
+        (
+            f"Model forward of a decode step ({BATCH} sequences, one token each; "
+            "timed in the worker around the runner's `_model_forward`, the tenth "
+            "percentile of each turn's steps, the median over rounds), ms, and its "
+            "extra time over native per layer, us:"
+        ),
+        "",
+        "| model | mode | "
+        + " | ".join(f"{LABELS[n]} (ms)" for n in VARIANTS)
+        + " | this - native per layer (us) | stock - native per layer (us) |",
+        "|---|---|" + "---:|" * (len(VARIANTS) + 2),
+    ]
+    for res in timed:
+        steps = {n: [r["model_step_s"] for r in res["per_round"][n]] for n in VARIANTS}
+        layers = res["model"]["num_hidden_layers"]
+        over = {
+            n: statistics.median(
+                (x - y) / layers * 1e6 for x, y in zip(steps[n], steps["native"])
+            )
+            for n in ("this", "stock")
+        }
+        lines.append(
+            f"| {_label(res)} | {res['mode']} | "
+            + " | ".join(f"{statistics.median(steps[n]) * 1e3:.2f}" for n in VARIANTS)
+            + f" | {over['this']:.0f} | {over['stock']:.0f} |"
+        )
+    return lines
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The tables the README quotes."""
     lines = []
     results = summary.get("throughput") or []
     if results:
         m = results[0]["model"]
+        widths = {_size(r): r["model"]["hidden_size"] for r in results}
+        hidden = ", ".join(
+            f"{w}" if size == "medium" else f"{w} ({size})" for size, w in widths.items()
+        )
         loads = [
             r["load"] for res in results for n in VARIANTS for r in res["per_round"][n]
         ]
@@ -807,7 +932,7 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"Throughput on the CPU engine ({summary['machine']['cpus']} shared "
                 f"cores, load {min(loads):.1f}-{max(loads):.1f} during the timed "
                 f"batches), random models of {m['num_hidden_layers']} layers, hidden "
-                f"{m['hidden_size']}, vocab {m['vocab_size']}, {m['dtype']}; "
+                f"{hidden}, vocab {m['vocab_size']}, {m['dtype']}; "
                 f"{BATCH} prompts x {PROMPT_LEN} tokens in, {MAX_TOKENS} out. Ratios "
                 "are this backend's tokens/s over the other's, the median of the "
                 "per-round ratios (engines alternating, best of "
@@ -823,12 +948,14 @@ def markdown(summary: dict[str, Any]) -> str:
         for res in results:
             native, stock = res["ratio"]["native"], res["ratio"]["stock"]
             lines.append(
-                f"| {res['model']['model_type']} | {res['mode']} | {res['rounds']} "
+                f"| {_label(res)} | {res['mode']} | {res['rounds']} "
                 f"| {res['median']['this']['generate_tok_s']:.0f} "
                 f"| {native['generate_tok_s']:.2f} | {native['prefill_tok_s']:.2f} "
                 f"| {native['decode_tok_s']:.2f} | {stock['generate_tok_s']:.2f} "
                 f"| {stock['decode_tok_s']:.2f} |"
             )
+        if step_table := _step_table(results):
+            lines += ["", *step_table]
         warm = [res for res in results if "warm" in res["starts"]["this"]]
         if warm:
             lines += [
@@ -847,7 +974,7 @@ def markdown(summary: dict[str, Any]) -> str:
                     f"| {res['starts'][n]['warm']['start_s']:.0f}"
                     for n in VARIANTS
                 ]
-                lines.append(f"| {res['model']['model_type']} | " + " | ".join(cells) + " |")
+                lines.append(f"| {_label(res)} | " + " | ".join(cells) + " |")
         lines.append("")
     built = summary.get("construction")
     if built:
@@ -892,7 +1019,7 @@ def plot(summary: dict[str, Any], out_file: Path) -> None:
         figsize=(max(5.0, 0.6 * len(results)) * len(METRICS), 4.5),
         sharey=True,
     )
-    labels = [f"{r['model']['model_type']} {r['mode']}" for r in results]
+    labels = [f"{_label(r)} {r['mode']}" for r in results]
     width = 0.38
     lowest = 1.0
     for axis, metric in zip(axes, METRICS):
@@ -973,6 +1100,13 @@ def main(argv: list[str]) -> None:
         default=DTYPE,
         choices=["bfloat16", "float32"],
         help=f"default: bfloat16 where the CPU computes it, else float32 (here {DTYPE})",
+    )
+    parser.add_argument(
+        "--size",
+        default="medium",
+        choices=list(SIZES),
+        help="medium (default): the matmuls dominate; tiny: hidden 128, so a decode "
+        "step is mostly Python, and the per-layer overhead shows",
     )
     parser.add_argument("--profile", action="store_true", help="ops of a batch each")
     parser.add_argument("--skip-throughput", action="store_true")
