@@ -518,6 +518,11 @@ def round_numbers(answer: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
     whole, prefill = _best(answer["runs"]), _best(answer["prefills"])
     tokens = answer["runs"][0]["tokens"]
     steps = sorted(answer["steps"])
+    if not steps:
+        raise RuntimeError(
+            "the worker timed no decode step of the whole batch (did the runner's "
+            "`_model_forward` stop taking `positions=` by keyword?)"
+        )
     return dict(
         model_step_s=steps[int(len(steps) * STEP_QUANTILE)],
         generate_tok_s=tokens / whole,
