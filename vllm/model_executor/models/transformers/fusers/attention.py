@@ -657,6 +657,6 @@ class AttentionFuser(BaseFuser):
 
     def info(self, name: str, module: nn.Module) -> str:
         return (
-            f"Attention: {name} ({type(module).__name__}) -> attn "
-            f"(layer {self.layer_index(module)}, {self.location})"
+            f"Attention interface call: {name} ({type(module).__name__}, "
+            f"{self.location}) -> vLLM attention for layer {self.layer_index(module)}"
         )
