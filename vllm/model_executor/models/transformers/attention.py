@@ -28,7 +28,7 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.models.transformers.fusers.base import AttentionNeeds
+from vllm.model_executor.models.transformers.records import AttentionNeeds
 from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,

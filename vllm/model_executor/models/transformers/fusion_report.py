@@ -11,13 +11,13 @@ import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-
 from typing import TYPE_CHECKING
 
-from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.records import Declined
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 _ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(
     "fusion_report", default=None
@@ -95,7 +95,7 @@ class FusionReport:
         for fuser in applied:
             report.applied[fuser] = report.applied.get(fuser, 0) + 1
 
-    def record_fusion(self, fuser: BaseFuser, detail: str | None = None) -> None:
+    def record_fusion(self, fuser: "BaseFuser", detail: str | None = None) -> None:
         self.fusions[fuser.kind] = self.fusions.get(fuser.kind, 0) + 1
         if detail is not None:
             self.details.setdefault(fuser.kind, []).append(detail)

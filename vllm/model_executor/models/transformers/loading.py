@@ -20,7 +20,7 @@ from transformers.core_model_loading import (
 )
 
 from vllm.logger import init_logger
-from vllm.model_executor.models.transformers.fusers.base import ShardId
+from vllm.model_executor.models.transformers.records import ShardId
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,

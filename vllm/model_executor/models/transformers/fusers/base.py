@@ -16,63 +16,29 @@ import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar, Self
 
 from torch import fx, nn
 
-
-# Defined beside the rewrites that raise it (rewriting.py cannot import fusers/) and
-# re-exported here as part of the fuser contracts.
+# Defined where the core reads them (a leaf module, and beside the rewrites that raise
+# `FusionDeclined`) and re-exported here as part of the fuser contracts.
+from vllm.model_executor.models.transformers.records import (
+    AttentionNeeds,
+    Declined,
+    ShardId,
+)
 from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # noqa: F401
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
     from vllm.model_executor.models.transformers.fuser import Fusers
-
-ShardId = str | int
-"""Which shard of a merged linear an original linear becomes (`"q"`, `0`, ...)."""
-
-
-@dataclass(frozen=True)
-class Declined:
-    """One declined fusion: which fuser, for which module class, why, decided where."""
-
-    fuser: str
-    module_class: str
-    reason: str
-    location: str
 
 
 def caller_location(depth: int = 2) -> str:
     """`file:line` of the code `depth` frames up, which is where a decision was taken."""
     frame = inspect.stack()[depth]
     return f"{frame.filename}:{frame.lineno}"
-
-
-@dataclass(frozen=True)
-class AttentionNeeds:
-    """What a module that dispatches attention needs from vLLM, read off the instance
-    (model-wide values are wrong for models with per-layer head sizes or windows).
-
-    Head counts are the module's totals; how many of them each tensor-parallel rank
-    feeds is decided once its projections are swapped (`attention.py`)."""
-
-    layer_index: int
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    head_size_v: int
-    scale: float
-    sliding_window: int | None = None
-    logits_soft_cap: float | None = None
-    sinks: str | None = None
-    """The module's parameter holding one attention-sink logit per head (`s_aux`)."""
-    causal: bool = True
-    sources: dict[str, str | None] = field(default_factory=dict)
-    """Role (`q`, `k`, `v`, `o`) -> the child linear that computes it (`o`: that
-    projects the attention output), where dataflow says so."""
-    latent: Any = None
-    """Set by a fuser that serves the module with latent attention (MLA)."""
 
 
 @dataclass
