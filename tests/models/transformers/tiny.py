@@ -756,6 +756,8 @@ class EngineRun:
     kv_cache: list[dict[str, dict[str, Any]]] | None = None
     """Per worker: the KV cache spec of each attention layer, as the engine sizes its
     cache from it (`_kv_cache_probe`, when asked)."""
+    spec_decode: dict[str, Any] | None = None
+    """vLLM's speculative decoding counters (`vllm:spec_decode_*`), when asked."""
 
 
 def run_engine(
@@ -772,6 +774,7 @@ def run_engine(
     kv_cache: bool = False,
     extra_env: dict[str, str] | None = None,
     lora: Path | str | None = None,
+    spec_decode: bool = False,
 ) -> EngineRun:
     """Start `vllm.LLM` in a subprocess, generate greedily with logprobs, return it.
 
@@ -780,7 +783,9 @@ def run_engine(
     `_probe` on the model inside each worker (`LLM.apply_model`); `kv_cache` reads
     each worker's KV cache spec (`_kv_cache_probe`). `extra_env` is added to the
     engine's environment (e.g. `VLLM_MLA_DISABLE=1`). `lora` is a PEFT adapter folder:
-    the engine starts with `enable_lora=True` and every prompt runs with it."""
+    the engine starts with `enable_lora=True` and every prompt runs with it.
+    `spec_decode` also returns vLLM's speculative decoding counters (drafts, draft
+    tokens, accepted tokens, accepted per position)."""
     spec = dict(
         model=str(path),
         prompt_token_ids=encode(path, prompts),
@@ -791,6 +796,7 @@ def run_engine(
         kv_cache=kv_cache,
         llm_kwargs=llm_kwargs or {},
         lora=None if lora is None else str(lora),
+        spec_decode=spec_decode,
     )
     env = dict(os.environ)
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
@@ -810,6 +816,7 @@ def run_engine(
         completions=[Completion(**c) for c in out["completions"]],
         probe=out["probe"],
         kv_cache=out.get("kv_cache"),
+        spec_decode=out.get("spec_decode"),
         seconds=seconds,
         log=log,
     )
@@ -976,6 +983,7 @@ def _engine_main(spec_file: str, out_file: str) -> None:
         kv_cache_memory_bytes=1 << 30,
         enforce_eager=True,
         enable_lora=spec["lora"] is not None,
+        disable_log_stats=not spec.get("spec_decode"),
     )
     kwargs.update(spec["llm_kwargs"])
     llm = LLM(**kwargs)
@@ -1008,8 +1016,24 @@ def _engine_main(spec_file: str, out_file: str) -> None:
     kv_cache = (
         llm.collective_rpc(tiny._kv_cache_probe) if spec.get("kv_cache") else None
     )
+    spec_decode = (
+        {
+            m.name: m.values if hasattr(m, "values") else m.value
+            for m in llm.get_metrics()
+            if m.name.startswith("vllm:spec_decode")
+        }
+        if spec.get("spec_decode")
+        else None
+    )
     Path(out_file).write_text(
-        json.dumps(dict(completions=completions, probe=probe, kv_cache=kv_cache))
+        json.dumps(
+            dict(
+                completions=completions,
+                probe=probe,
+                kv_cache=kv_cache,
+                spec_decode=spec_decode,
+            )
+        )
     )
     del llm
 

@@ -11,7 +11,7 @@ construction error."""
 
 import ast
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
@@ -22,13 +22,24 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models.interfaces import SupportsEagle, SupportsEagle3
 from vllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.eagle import (
+    HiddenStateTaps,
+    default_eagle3_layers,
+    eagle3_layers_in_config,
+)
 from vllm.model_executor.models.transformers.loading import base_model_of
 from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.model_executor.models.transformers.tracing import trace
-from vllm.model_executor.models.utils import PPMissingLayer, maybe_prefix
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -164,13 +175,25 @@ def _code(model: nn.Module, node: fx.Node) -> str:
     return f"`{ast.unparse(expression)}` ({source.filename}:{span[0]})"
 
 
-class CausalMixin(VllmModelForTextGeneration, Base):
+class CausalMixin(VllmModelForTextGeneration, SupportsEagle, SupportsEagle3, Base):
     """Adds the LM head (tied to the input embedding when the config says so, with a
     bias when the HF head has one) and the logits processor with the scale and
-    soft-cap the HF head applies (`LogitsHead`)."""
+    soft-cap the HF head applies (`LogitsHead`).
+
+    A target for EAGLE drafters: EAGLE-1/2 read the hidden states `forward` returns,
+    EAGLE-3 also the states entering the decoder layers it names (`eagle.py`)."""
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
         Base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        self.aux_hidden_states: HiddenStateTaps | None = None
+        if self.pp_group.world_size > 1:
+            # vLLM's V1 runner asks only the last stage (the drafter's); the others
+            # must tap their layers too, so every stage reads the drafter's config.
+            layers = eagle3_layers_in_config(
+                vllm_config.speculative_config, self.text_config.num_hidden_layers
+            )
+            if layers:
+                self.set_aux_hidden_state_layers(layers)
         if not self.pp_group.is_last_rank:
             self.lm_head = PPMissingLayer()
             return
@@ -207,6 +230,45 @@ class CausalMixin(VllmModelForTextGeneration, Base):
         # In `build`, so that a head the backend cannot reproduce fails the report too.
         self.logits_head = LogitsHead.of(hf_model)
         return hf_model
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return default_eagle3_layers(self.text_config.num_hidden_layers)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Tap the decoder layers whose input EAGLE-3 reads, on this stage; the
+        states earlier stages tap arrive with the intermediate tensors."""
+        if self.aux_hidden_states is not None:
+            self.aux_hidden_states.remove()
+        layers_name, _ = self.layout.decoder_layers
+        hidden_size = self.text_config.hidden_size
+        self.aux_hidden_states = HiddenStateTaps(
+            layers,
+            self.model.get_submodule(layers_name),
+            self.layer_range,
+            self.pp_group.is_first_rank,
+            max_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
+            hidden_size=hidden_size,
+            dtype=self.vllm_config.model_config.dtype,
+            device=next(self.model.parameters()).device,
+        )
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", *self.aux_hidden_states.relay_keys()], hidden_size
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, **step: Any
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The base's step; with EAGLE-3 states asked for, the last stage also
+        returns them (in the order of their layers), the others relay them."""
+        received = step.get("intermediate_tensors")
+        output = super().forward(input_ids, positions, **step)
+        if self.aux_hidden_states is None:
+            return output
+        states = self.aux_hidden_states.this_step(positions.shape[-1], received)
+        if isinstance(output, IntermediateTensors):
+            output.tensors.update(states)
+            return output
+        return output, self.aux_hidden_states.in_order(states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         # An LM head with a bias (Phi) adds it to the logits.
