@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.sequence import IntermediateTensors
@@ -61,8 +62,10 @@ def eagle3_layers_in_config(speculative_config, num_layers: int) -> tuple[int, .
 
 
 class Tap(nn.Module):
-    """A copy of the hidden states one decoder layer takes in or puts out, one row
-    per token of the current step."""
+    """A copy of the hidden states a decoder layer takes in or puts out, one row per
+    token of the current step. It is the layer's child (`TAP_IN`, `TAP_OUT`) and the
+    hooks are module functions, so what a compiled graph reads is named the same in
+    every process: vLLM's compile cache saves graphs by such names."""
 
     def __init__(self, max_tokens: int, hidden_size: int, dtype: torch.dtype, device):
         super().__init__()
@@ -76,13 +79,18 @@ class Tap(nn.Module):
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         self.states[: rows.shape[0]].copy_(rows)
 
-    def after(self, module: nn.Module, args: tuple, output) -> None:
-        """Forward hook: the layer's output (the first item of a tuple)."""
-        self.write(output[0] if isinstance(output, tuple) else output)
 
-    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook (with kwargs): the hidden states the layer takes."""
-        self.write(args[0] if args else kwargs["hidden_states"])
+TAP_IN, TAP_OUT = "aux_hidden_state_in", "aux_hidden_state_out"
+
+
+def _tap_input(layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook (with kwargs): the hidden states the layer takes."""
+    getattr(layer, TAP_IN).write(args[0] if args else kwargs["hidden_states"])
+
+
+def _tap_output(layer: nn.Module, args: tuple, output) -> None:
+    """Forward hook: the layer's output (the first item of a tuple)."""
+    getattr(layer, TAP_OUT).write(output[0] if isinstance(output, tuple) else output)
 
 
 class HiddenStateTaps:
@@ -114,23 +122,25 @@ class HiddenStateTaps:
         """Places of the states earlier stages took."""
         self.taps: list[tuple[int, Tap]] = []
         """(place, tap) of the states this stage takes."""
-        self.handles = []
+        self.tapped: list[tuple[nn.Module, str, RemovableHandle]] = []
         for place, layer in enumerate(self.layers):
             if layer <= first or layer > stage.stop:
                 continue
             tap = Tap(max_tokens, hidden_size, dtype, device)
             if layer == 0:
-                hook = decoder_layers[0].register_forward_pre_hook(
-                    tap.before, with_kwargs=True
-                )
+                module, name = decoder_layers[0], TAP_IN
+                hook = module.register_forward_pre_hook(_tap_input, with_kwargs=True)
             else:
-                hook = decoder_layers[layer - 1].register_forward_hook(tap.after)
+                module, name = decoder_layers[layer - 1], TAP_OUT
+                hook = module.register_forward_hook(_tap_output)
+            module.register_module(name, tap)
             self.taps.append((place, tap))
-            self.handles.append(hook)
+            self.tapped.append((module, name, hook))
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for module, name, hook in self.tapped:
+            hook.remove()
+            delattr(module, name)
 
     def relay_keys(self) -> list[str]:
         """The intermediate-tensor keys this stage receives."""
