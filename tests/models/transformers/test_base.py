@@ -74,20 +74,6 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
     assert "layer_idx=0" in message
 
 
-@pytest.mark.parametrize(
-    "backend_class",
-    [
-        "TransformersMoEEmbeddingModel",
-        "TransformersMoEForSequenceClassification",
-    ],
-)
-def test_other_backend_classes_say_not_supported_and_name_the_switch(
-    build_backend, backend_class
-):
-    with pytest.raises(NotImplementedError, match="VLLM_TRANSFORMERS_BACKEND=stock"):
-        build_backend(small_config("llama"), backend_class=backend_class)
-
-
 BUILD_CODE = (
     "base.py",
     "attention.py",

@@ -65,6 +65,60 @@ def test_encoders_get_encoder_only_attention_and_decoders_causal(
 
 
 @pytest.mark.parametrize(
+    ("name", "backend_class"),
+    [
+        ("qwen3_moe", "TransformersMoEEmbeddingModel"),
+        ("qwen2_moe_classifier", "TransformersMoEForSequenceClassification"),
+    ],
+)
+def test_moe_pooling_models_are_routed_to_their_class_and_fuse_their_experts(
+    build_backend, name, backend_class
+):
+    """vLLM's registry asks for the MoE pooling classes by the config (an MoE whose
+    architecture defaults to pooling); each builds with its experts and routers on
+    vLLM's fused MoE and router, and its pooler or head."""
+    from vllm.config import ModelConfig
+
+    model_config = ModelConfig(
+        model=str(tiny_pooling.build(name)),
+        model_impl="transformers",
+        skip_tokenizer_init=True,
+    )
+    assert model_config._get_transformers_backend_cls() == backend_class
+    model = build_backend(_recipe_config(name), backend_class=backend_class)
+    moe = model.report.details["moe"]
+    assert len([d for d in moe if "vLLM fused MoE" in d]) == 2, moe
+    assert model.report.servable and len(model.report.attention) == 2
+    assert model.report.pooler.startswith("LAST pooling")
+
+
+@pytest.mark.parametrize(
+    ("name", "backend_class"),
+    [
+        ("llava", "TransformersMultiModalEmbeddingModel"),
+        ("gemma3_classifier", "TransformersMultiModalForSequenceClassification"),
+    ],
+)
+def test_multimodal_pooling_models_keep_their_tower_and_pool_the_decoder(
+    build_backend, name, backend_class
+):
+    """vLLM's registry asks for the multimodal pooling classes for a vision-language
+    config whose architecture defaults to pooling (a base model, a classifier): the
+    tower and projector stay Transformers', the decoder is on vLLM attention."""
+    from vllm.config import ModelConfig
+
+    path = tiny_pooling.build_multimodal(name)
+    model_config = ModelConfig(
+        model=str(path), model_impl="transformers", skip_tokenizer_init=True
+    )
+    assert model_config._get_transformers_backend_cls() == backend_class
+    model = build_backend(AutoConfig.from_pretrained(path), backend_class=backend_class)
+    assert model.report.servable and len(model.report.attention) == 4
+    assert set(model.report.kept) == {"vision_tower", "multi_modal_projector"}
+    assert model.report.pooler.startswith("LAST pooling")
+
+
+@pytest.mark.parametrize(
     ("architecture", "model_type", "overrides", "pooling", "modules"),
     [
         # The BERT pooler (CLS, dense, tanh), then `classifier`.
@@ -183,7 +237,7 @@ def _gap(actual, expected) -> float:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", ["modernbert", "qwen3"])
+@pytest.mark.parametrize("name", ["modernbert", "qwen3", "qwen3_moe"])
 def test_embeddings_equal_sentence_transformers(engines, name):
     run = engines(name)
     path = tiny_pooling.build(name)
@@ -207,12 +261,45 @@ def test_encoder_only_attention_keeps_no_kv_cache_and_decoders_do(engines):
 
 
 @pytest.mark.engine
-def test_decoder_class_logits_equal_transformers(engines):
-    run = engines("qwen3_classifier")
-    expected = tiny_pooling.classifier_logits(tiny_pooling.build("qwen3_classifier"))
+@pytest.mark.parametrize("name", ["qwen3_classifier", "qwen2_moe_classifier"])
+def test_decoder_class_logits_equal_transformers(engines, name):
+    """Qwen3, and Qwen2-MoE (experts on vLLM's fused MoE, a gated shared expert)."""
+    run = engines(name)
+    expected = tiny_pooling.classifier_logits(tiny_pooling.build(name))
     gap = _gap(run.outputs["classify"], expected)
     assert gap <= ATOL, f"largest gap {gap:.3g}"
-    print(f"\n[pooling] qwen3 classifier: {run.seconds:.0f} s, max gap {gap:.2e}")
+    # The texts' logits are far apart: a wrong token or expert cannot pass.
+    assert torch.cdist(expected, expected).fill_diagonal_(1).min() > 1000 * ATOL
+    print(f"\n[pooling] {name}: {run.seconds:.0f} s, max gap {gap:.2e}")
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name", list(tiny_pooling.MULTIMODAL))
+def test_multimodal_pooling_equals_transformers(name):
+    """LLaVA's base model as an embedder and Gemma 3's classifier, on prompts with
+    one image, two and none: the engine's embeddings (logits) equal the HF model's
+    last token's, normalised (its logits)."""
+    import tiny_multimodal
+
+    path = tiny_pooling.build_multimodal(name)
+    requests = list(tiny_multimodal.REQUESTS.values())
+    task = "classify" if name.endswith("classifier") else "embed"
+    impl = _impl()
+    run = tiny_pooling.run_engine(
+        path,
+        {task: tiny_pooling.multimodal_task(name, requests)},
+        backend=impl["backend"],
+        llm_kwargs=dict(
+            model_impl=impl["model_impl"],
+            max_model_len=tiny_multimodal.MAX_MODEL_LEN,
+        ),
+    )
+    expected = tiny_pooling.multimodal_outputs(path, name, requests)
+    gap = _gap(run.outputs[task], expected)
+    assert gap <= ATOL, f"{name}: largest gap {gap:.3g}"
+    # The requests' outputs are far apart: an image dropped cannot pass.
+    assert torch.cdist(expected, expected).fill_diagonal_(1).min() > 1000 * ATOL
+    print(f"\n[pooling] {name} with images: {run.seconds:.0f} s, max gap {gap:.2e}")
 
 
 # --- the OpenAI server ------------------------------------------------------------

@@ -89,6 +89,16 @@ RECIPES: dict[str, Recipe] = {
         normalize=True,
         encoder=False,
     ),
+    # Qwen3-MoE decoder as an embedder (its base model), last token, normalised:
+    # experts on vLLM's fused MoE, softmax top-k renormalised.
+    "qwen3_moe": Recipe(
+        "qwen3_moe",
+        "Qwen3MoeModel",
+        dict(tiny.overrides("qwen3_moe"), num_hidden_layers=2),
+        "lasttoken",
+        normalize=True,
+        encoder=False,
+    ),
     # BERT cross-encoder: one logit (a relevance score), the CLS token through the
     # BERT pooler, then `classifier`.
     "bert_classifier": Recipe(
@@ -107,7 +117,30 @@ RECIPES: dict[str, Recipe] = {
         ),
         encoder=False,
     ),
+    # Qwen2-MoE classifier: top-k not renormalised, a shared expert behind a
+    # sigmoid gate; `score` on the last token, three named labels.
+    "qwen2_moe_classifier": Recipe(
+        "qwen2_moe",
+        "Qwen2MoeForSequenceClassification",
+        dict(
+            tiny.overrides("qwen2_moe"),
+            num_hidden_layers=2,
+            id2label={0: "negative", 1: "neutral", 2: "positive"},
+        ),
+        encoder=False,
+    ),
 }
+
+MULTIMODAL: dict[str, tuple[str, str]] = {
+    # LLaVA's base model as an embedder (what Sentence Transformers would save):
+    # the CLIP tower and projector, the Llama decoder's last token, normalised.
+    "llava": ("llava", "LlavaModel"),
+    # Gemma 3's classifier: the SigLIP tower and projector, `score` on the last
+    # token of its Gemma 3 decoder.
+    "gemma3_classifier": ("gemma3", "Gemma3ForSequenceClassification"),
+}
+"""Vision-language pooling checkpoints: name -> (`tiny_multimodal` recipe whose
+config, tokenizer and processor they take, the Transformers class saved)."""
 
 TEXTS = [
     "the small cat sees a big dog near the river",
@@ -236,6 +269,91 @@ def build(name: str) -> Path:
     return target
 
 
+def build_multimodal(name: str) -> Path:
+    """Build (or reuse) the vision-language pooling checkpoint `name` (a key of
+    `MULTIMODAL`), with its processor and, for an embedder, the Sentence
+    Transformers pooling (last token, normalised) vLLM reads."""
+    import torch
+    import transformers
+
+    import tiny_multimodal
+
+    recipe_name, architecture = MULTIMODAL[name]
+    recipe = tiny_multimodal.RECIPES[recipe_name]
+    target = tiny.CACHE / f"pooling-mm-{name}"
+    stamp = target / "tiny.json"
+    want = hashlib.sha256(
+        json.dumps(
+            [RECIPE_VERSION, architecture, tiny_multimodal.fingerprint(recipe_name)]
+        ).encode()
+    ).hexdigest()[:16]
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == want:
+        return target
+    tiny._quiet_transformers()
+    config = tiny_multimodal.config(recipe)
+    config.architectures = [architecture]
+    torch.manual_seed(tiny.SEED)
+    model = getattr(transformers, architecture)._from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    generator = torch.Generator().manual_seed(tiny.SEED + 1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 1:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    staging = Path(tempfile.mkdtemp(prefix=f".pooling-mm-{name}-", dir=tiny.CACHE))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer = tiny_multimodal.make_tokenizer(recipe)
+        tiny_multimodal.make_processor(recipe, tokenizer).save_pretrained(staging)
+        if not architecture.endswith("ForSequenceClassification"):
+            embedder = Recipe(recipe.model_type, architecture, {}, "lasttoken", True)
+            _write_sentence_transformers(staging, embedder, config.text_config.hidden_size)
+        (staging / "tiny.json").write_text(json.dumps(dict(fingerprint=want)))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def multimodal_outputs(path: Path, name: str, requests: list):
+    """Transformers' output for each `tiny_multimodal.Request` (its processor's
+    inputs): the last token's hidden state normalised (an embedder), or the
+    classifier's logits. Gemma 3's image tokens attend causally, as on vLLM's CPU
+    attention (its processor's token types, which make them attend both ways in
+    Transformers, are dropped)."""
+    import torch
+    import transformers
+    from transformers import AutoProcessor
+
+    import tiny_multimodal
+
+    recipe_name, architecture = MULTIMODAL[name]
+    recipe = tiny_multimodal.RECIPES[recipe_name]
+    processor = AutoProcessor.from_pretrained(str(path))
+    model = getattr(transformers, architecture).from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    rows = []
+    with torch.no_grad():
+        for request in requests:
+            images = [i.pil() for i in request.images] or None
+            inputs = processor(
+                text=request.prompt(recipe), images=images, return_tensors="pt"
+            )
+            inputs.pop("token_type_ids", None)
+            output = model(**inputs)
+            if architecture.endswith("ForSequenceClassification"):
+                rows.append(output.logits[0])
+            else:
+                last = output.last_hidden_state[0, -1]
+                rows.append(torch.nn.functional.normalize(last, dim=-1))
+    return torch.stack(rows)
+
+
 def encode(path: Path, texts: list[str] = TEXTS) -> list[list[int]]:
     tokenizer = tiny.load_tokenizer(path)
     ids = [tokenizer(t)["input_ids"] for t in texts]
@@ -330,7 +448,8 @@ def run_engine(
     timeout: float = 600,
 ) -> PoolingRun:
     """Start `vllm.LLM(runner="pooling")` in a subprocess and run `tasks`: `embed`
-    and `classify` (lists of token id lists), `score` (`[query, documents]`).
+    and `classify` (lists of token id lists, or of `multimodal_task` requests),
+    `score` (`[query, documents]`).
     Also returns what `tiny._probe` saw and each worker's KV cache spec."""
     spec = dict(model=str(path), tasks=tasks, llm_kwargs=llm_kwargs or {})
     env = dict(os.environ)
@@ -342,6 +461,31 @@ def run_engine(
     env.pop("PYTEST_CURRENT_TEST", None)
     out, seconds, log = tiny.run_engine_script(__file__, spec, env, timeout)
     return PoolingRun(out["outputs"], seconds, log, out["probe"], out["kv_cache"])
+
+
+def _prompt(item: list[int] | dict[str, Any]) -> dict[str, Any]:
+    """An engine prompt: token ids, or a `{"prompt", "images"}` request with images
+    (`tiny_multimodal.Image` fields)."""
+    if isinstance(item, list):
+        return {"prompt_token_ids": item}
+    import tiny_multimodal
+
+    prompt: dict[str, Any] = {"prompt": item["prompt"]}
+    if item["images"]:
+        images = [tiny_multimodal.Image(**i).pil() for i in item["images"]]
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
+
+
+def multimodal_task(name: str, requests: list) -> list[dict[str, Any]]:
+    """`requests` (`tiny_multimodal.Request`s) as an engine task's items."""
+    import tiny_multimodal
+
+    recipe = tiny_multimodal.RECIPES[MULTIMODAL[name][0]]
+    return [
+        dict(prompt=r.prompt(recipe), images=[asdict(i) for i in r.images])
+        for r in requests
+    ]
 
 
 def _engine_main(spec_file: str, out_file: str) -> None:
@@ -362,11 +506,11 @@ def _engine_main(spec_file: str, out_file: str) -> None:
     llm = LLM(**kwargs)
     tasks, outputs = spec["tasks"], {}
     if "embed" in tasks:
-        prompts = [{"prompt_token_ids": ids} for ids in tasks["embed"]]
+        prompts = [_prompt(item) for item in tasks["embed"]]
         results = llm.embed(prompts, use_tqdm=False)
         outputs["embed"] = [r.outputs.embedding for r in results]
     if "classify" in tasks:
-        prompts = [{"prompt_token_ids": ids} for ids in tasks["classify"]]
+        prompts = [_prompt(item) for item in tasks["classify"]]
         # Raw logits, as `AutoModelForSequenceClassification` returns them.
         params = PoolingParams(use_activation=False)
         results = llm.classify(prompts, pooling_params=params, use_tqdm=False)

@@ -52,55 +52,37 @@ class TransformersForSequenceClassification(SequenceClassificationMixin):
     """A dense sequence classifier (and cross-encoder) from Transformers."""
 
 
-class NotYetSupported(CausalMixin):
-    """A backend class vLLM's registry can ask for, which this backend lacks yet.
-
-    It passes the registry's inspection as a causal LM, so that the user learns the
-    reason here, at construction, rather than a generic "not supported" from vLLM."""
-
-    kind = ""
-
-    @classmethod
-    def reason(cls) -> str:
-        return (
-            f"{cls.__name__}: {cls.kind} are not supported by this Transformers "
-            "modeling backend yet. Set VLLM_TRANSFORMERS_BACKEND=stock to serve this "
-            "model with vLLM's stock Transformers backend instead."
-        )
-
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        raise NotImplementedError(self.reason())
-
-
-def _not_yet_supported(name: str, kind: str) -> type[NotYetSupported]:
-    return type(
-        name, (NotYetSupported,), {"kind": kind, "__doc__": f"Not yet: {kind}."}
-    )
-
-
 @register_processor
-class TransformersMultiModalForCausalLM(MultiModalMixin):
+class TransformersMultiModalForCausalLM(MultiModalMixin, CausalMixin):
     """A vision-language model from Transformers: its text decoder fused on vLLM
     attention, its vision tower and projector left to Transformers."""
 
 
 @register_processor
-class TransformersMultiModalMoEForCausalLM(MultiModalMixin):
+class TransformersMultiModalMoEForCausalLM(MultiModalMixin, CausalMixin):
     """A vision-language model whose text decoder is a mixture of experts (run on
     vLLM's fused MoE, `experts.py`)."""
 
 
-TransformersMoEEmbeddingModel = _not_yet_supported(
-    "TransformersMoEEmbeddingModel", "mixture-of-experts embedding models"
-)
-TransformersMultiModalEmbeddingModel = _not_yet_supported(
-    "TransformersMultiModalEmbeddingModel", "multimodal embedding models"
-)
-TransformersMoEForSequenceClassification = _not_yet_supported(
-    "TransformersMoEForSequenceClassification",
-    "mixture-of-experts sequence classification models",
-)
-TransformersMultiModalForSequenceClassification = _not_yet_supported(
-    "TransformersMultiModalForSequenceClassification",
-    "multimodal sequence classification models",
-)
+class TransformersMoEEmbeddingModel(EmbeddingMixin):
+    """A mixture-of-experts embedding model: its experts on vLLM's fused MoE
+    (`experts.py`), pooled as a dense one's."""
+
+
+class TransformersMoEForSequenceClassification(SequenceClassificationMixin):
+    """A mixture-of-experts sequence classifier: its experts on vLLM's fused MoE,
+    its head as a dense classifier's."""
+
+
+@register_processor
+class TransformersMultiModalEmbeddingModel(EmbeddingMixin, MultiModalMixin):
+    """A vision-language base model as an embedder: images through the HF vision
+    tower and projector, the hidden states pooled as a dense embedder's."""
+
+
+@register_processor
+class TransformersMultiModalForSequenceClassification(
+    SequenceClassificationMixin, MultiModalMixin
+):
+    """A vision-language sequence classifier (Gemma 3's): images through the HF
+    vision tower and projector, the HF model's own head on the pooled token."""

@@ -44,9 +44,9 @@ def base_model_of(hf_model: nn.Module) -> tuple[str, nn.Module]:
     child that holds their base model (Llama 4's causal LM says `language_model`
     and holds its text model as `model`): then it is the one child that is a
     Transformers model itself and holds the input embeddings. A base model (BERT's,
-    for embeddings) has no such child and is its own."""
+    LLaVA's around its text model: no output embedding) is its own."""
     base = hf_model.base_model
-    if base is not hf_model:
+    if base is not hf_model or hf_model.get_output_embeddings() is None:
         return hf_model.base_model_prefix, base
     embeddings = hf_model.get_input_embeddings()
     holders = [

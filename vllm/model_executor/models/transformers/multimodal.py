@@ -47,7 +47,6 @@ from vllm.config.multimodal import MultiModalDummyOptions
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
 from vllm.model_executor.models.transformers.base import Base
-from vllm.model_executor.models.transformers.causal import CausalMixin
 from vllm.model_executor.models.transformers.loading import BASE
 from vllm.model_executor.models.utils import (
     StageMissingLayer,
@@ -552,14 +551,13 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
-class MultiModalMixin(SupportsMultiModal, SupportsMRoPE, CausalMixin):
+class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
     """A vision-language model: `embed_multimodal` runs the HF vision tower and
     projector, `embed_input_ids` scatters their embeddings over the image tokens,
-    the decoder runs as a causal LM's does."""
+    the decoder runs as the mixin beside it says (`CausalMixin`, or a pooling one).
 
-    def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
-        # The interfaces before it are protocols, whose `__init__` takes nothing.
-        CausalMixin.__init__(self, vllm_config=vllm_config, prefix=prefix)
+    `Base` first: the interfaces are protocols, whose `__init__` takes nothing, so
+    a backend class takes the `__init__` of the mixin beside this one."""
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> str | None:
