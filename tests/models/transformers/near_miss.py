@@ -416,6 +416,24 @@ class ComputedScale(Interface):
         return interface(self, q, k, v, None, scaling=1 / float(q.abs().max()))
 
 
+class WindowOfTheInput(Interface):
+    """Slides over a window it reads off the input while it runs: neither
+    `config.layer_types` nor no window at all may stand in for it."""
+
+    def forward(self, q, k, v):
+        interface = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        return interface(self, q, k, v, None, sliding_window=q.shape[-2] // 2)
+
+
+class WindowOfAnAbsentFlag(Interface):
+    """Chooses its window by a flag this instance does not hold."""
+
+    def forward(self, q, k, v):
+        interface = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        window = self.head_dim if self.use_window else None
+        return interface(self, q, k, v, None, sliding_window=window)
+
+
 class TwoInterfaceCalls(Interface):
     def forward(self, q, k, v):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
@@ -531,6 +549,16 @@ CORPUS: dict[str, NearMiss] = {
     ),
     "attention-computed-scale": NearMiss(
         ComputedScale, "AttentionFuser", refused="passes scaling=1 / float(q.abs().max())"
+    ),
+    "attention-window-of-the-input": NearMiss(
+        WindowOfTheInput,
+        "AttentionFuser",
+        refused="passes sliding_window=q.shape[-2] // 2 to the attention interface",
+    ),
+    "attention-window-of-an-absent-flag": NearMiss(
+        WindowOfAnAbsentFlag,
+        "AttentionFuser",
+        refused="passes sliding_window=window to the attention interface",
     ),
     "attention-two-calls": NearMiss(
         TwoInterfaceCalls, "AttentionFuser", "calls it 2 times"

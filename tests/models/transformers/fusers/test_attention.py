@@ -245,6 +245,36 @@ def test_per_call_sliding_window_and_softcap_are_the_instances():
     assert _needs(cls(sliding_window=None, cap=None)).sliding_window is None
 
 
+def test_a_window_chosen_by_an_attribute_is_each_instances_own():
+    cls = _calling("sliding_window=self.window if self.use_window else None")
+    assert _needs(cls(window=8, use_window=True)).sliding_window == 8
+    assert _needs(cls(window=8, use_window=False)).sliding_window is None
+    compared = _calling("sliding_window=self.window if self.kind == 'local' else None")
+    assert _needs(compared(window=8, kind="local")).sliding_window == 8
+    assert _needs(compared(window=8, kind="global")).sliding_window is None
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        "q.shape[-2] // 2",
+        "self.window if q.shape[-2] > 4 else None",
+        "self.window if self.missing else None",
+    ],
+)
+def test_a_window_the_backend_cannot_resolve_is_refused_not_dropped(window):
+    # Not `config.layer_types`, nor no window at all: like any other argument.
+    module = _calling(f"sliding_window={window}")(layer_idx=2, window=8)
+    module.config = AutoConfig.for_model(
+        "llama", layer_types=["full_attention"] * 3, num_hidden_layers=3
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"Calling \(layer 2, .*\) passes sliding_window=.*cannot resolve",
+    ):
+        _needs(module)
+
+
 def test_an_argument_vllm_cannot_honour_is_refused_naming_it():
     cls = _calling("position_bias=self.bias")
     with pytest.raises(

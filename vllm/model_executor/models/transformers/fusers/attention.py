@@ -118,12 +118,61 @@ _ARITHMETIC = {
 """Operators between resolved numbers an argument may use (`self.head_dim**-0.5`)."""
 
 
+_COMPARISONS = {
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+"""Comparisons a condition on the instance may make (`self.window is not None`)."""
+_PLAIN = (bool, int, float, str, type(None))
+"""Values a condition may test: what a config or a flag holds, never a tensor."""
+
+
+def _resolve_condition(expression: ast.expr, module: nn.Module) -> object:
+    """The truth of a condition on `module`'s attributes (`self.use_window`,
+    `self.kind == "local"`, `not ...`, `... and ...`); `_UNRESOLVED` where it reads
+    anything but plain values of the instance (the input, a tensor)."""
+    if isinstance(expression, ast.BoolOp):
+        values = [_resolve_condition(v, module) for v in expression.values]
+        if any(v is _UNRESOLVED for v in values):
+            return _UNRESOLVED
+        return all(values) if isinstance(expression.op, ast.And) else any(values)
+    if isinstance(expression, ast.UnaryOp) and isinstance(expression.op, ast.Not):
+        value = _resolve_condition(expression.operand, module)
+        return value if value is _UNRESOLVED else not value
+    if isinstance(expression, ast.Compare) and len(expression.ops) == 1:
+        compare = _COMPARISONS.get(type(expression.ops[0]))
+        left = _resolve_argument(expression.left, module)
+        right = _resolve_argument(expression.comparators[0], module)
+        if compare is None or not all(isinstance(v, _PLAIN) for v in (left, right)):
+            return _UNRESOLVED
+        try:
+            return bool(compare(left, right))
+        except TypeError:
+            return _UNRESOLVED
+    value = _resolve_argument(expression, module)
+    return bool(value) if isinstance(value, _PLAIN) else _UNRESOLVED
+
+
 def _resolve_argument(expression: ast.expr, module: nn.Module) -> object:
     """The value of an argument of the attention call on `module`: a literal,
-    `self.<attr>[.<attr>...]`, `getattr(self..., "name", default)`, or numbers of
-    those combined by `**`, `*` and `/`; `_UNRESOLVED` for anything else."""
+    `self.<attr>[.<attr>...]`, `getattr(self..., "name", default)`, numbers of
+    those combined by `**`, `*` and `/`, or `a if <condition> else b` with a
+    condition on the instance's attributes (`_resolve_condition`), decided for this
+    instance; `_UNRESOLVED` for anything else."""
     if isinstance(expression, ast.Constant):
         return expression.value
+    if isinstance(expression, ast.IfExp):
+        test = _resolve_condition(expression.test, module)
+        if test is _UNRESOLVED:
+            return _UNRESOLVED
+        chosen = expression.body if test else expression.orelse
+        return _resolve_argument(chosen, module)
     if isinstance(expression, ast.BinOp) and type(expression.op) in _ARITHMETIC:
         left = _resolve_argument(expression.left, module)
         right = _resolve_argument(expression.right, module)
@@ -521,17 +570,17 @@ class AttentionFuser(BaseFuser):
 
     def sliding_window(self, module: nn.Module) -> int | None:
         """The window this layer slides over, `None` for full attention: the call's
-        `sliding_window=` where it resolves, else what `config.layer_types` says."""
+        `sliding_window=` (resolved on this instance, or refused like any other
+        argument that cannot be), else what `config.layer_types` says."""
         if "sliding_window" in self.arguments:
-            expression = self.arguments["sliding_window"]
-            value = _resolve_argument(expression, module)
+            value = self._argument(module, "sliding_window")
             if value is None or (_is_number(value) and value > 0):
                 return value
-            if value is not _UNRESOLVED:
-                raise ValueError(
-                    f"{self.describe(module)} passes sliding_window="
-                    f"{ast.unparse(expression)}, which is {value!r} on this module."
-                )
+            raise ValueError(
+                f"{self.describe(module)} passes sliding_window="
+                f"{ast.unparse(self.arguments['sliding_window'])}, which is "
+                f"{value!r} on this module."
+            )
         config = getattr(module, "config", None)
         layer_types = getattr(config, "layer_types", None)
         if layer_types is None:
