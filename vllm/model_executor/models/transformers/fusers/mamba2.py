@@ -26,7 +26,7 @@ _OWN_TENSORS = frozenset({"A_log", "D", "dt_bias"})
 _CHILDREN = frozenset({"in_proj", "conv1d", "norm", "out_proj", "act"})
 _ACTIVATIONS = frozenset({"silu", "swish"})
 """What vLLM's causal convolution applies (it takes no other activation)."""
-_SEGMENTS = (5, 3, 1, 1, 1)
+_SEGMENTS = (5, 3, 1, 1)
 """The probe's calls: a prefill, a prefill continued from its state (vLLM's chunked
 prefill), then token-by-token decoding."""
 _RTOL = 1e-4
