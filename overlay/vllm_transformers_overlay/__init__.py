@@ -4,7 +4,8 @@ The installed `vllm` ships its own `vllm.model_executor.models.transformers`. Th
 module owns the one thing that swaps it: a meta-path finder, installed at interpreter
 start by the `vllm_transformers_overlay.pth` hook, that resolves that package name to
 this project's directory. Everything else of `vllm` stays the installed one, and
-nothing else patches vLLM.
+nothing else patches vLLM but one function, which vLLM would need changed in-tree to
+route hybrid models to this backend at all (`routing.py` says which and why).
 
 Because the hook runs at interpreter start, it is active in every process vLLM spawns
 (API server, engine core, workers, the model-inspection subprocess).
@@ -25,6 +26,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = "vllm.model_executor.models.transformers"
+ROUTING_MODULE = "vllm.config.model"
+"""Where the one function the overlay replaces lives (`routing.py`)."""
 ENV_SWITCH = "VLLM_TRANSFORMERS_BACKEND"
 PROJECT, STOCK = "project", "stock"
 
@@ -66,10 +69,33 @@ class RefusingFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+class RoutingLoader(importlib.abc.Loader):
+    """Loads `ROUTING_MODULE` with its own loader, then lets `routing.py` replace
+    the one function it replaces."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        from vllm_transformers_overlay.routing import install_routing
+
+        install_routing(module)
+
+
 class OverlayFinder(importlib.abc.MetaPathFinder):
-    """Resolves `PACKAGE` to `project_dir()`; its submodules follow its `__path__`."""
+    """Resolves `PACKAGE` to `project_dir()`; its submodules follow its `__path__`.
+    `ROUTING_MODULE` is found as usual and loaded through a `RoutingLoader`."""
 
     def find_spec(self, fullname, path, target=None):
+        if fullname == ROUTING_MODULE:
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = RoutingLoader(spec.loader)
+            return spec
         if fullname != PACKAGE:
             return None
         directory = project_dir()

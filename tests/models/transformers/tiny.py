@@ -121,6 +121,11 @@ GEMMA4: dict[str, Any] = dict(
 )
 """What the Gemma 4 recipes share (the attention of `gemma4_text`)."""
 
+HYBRID_LAYERS: dict[str, Any] = dict(
+    layer_types=["linear_attention", "full_attention"] * 2,
+)
+"""A hybrid decoder's layers: a state-space or linear-attention mixer, then attention."""
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": dict(sliding_window=SLIDING_WINDOW),
@@ -405,6 +410,19 @@ ARCHS: dict[str, dict[str, Any]] = {
         num_experts=8,
         top_k_experts=2,
         moe_intermediate_size=64,
+    ),
+    # Granite 4.0 hybrid: Mamba-2 mixers (8 heads of 32, state 16) in layers 0 and
+    # 2, attention in 1 and 3, every layer a mixture of experts beside a shared MLP.
+    "granitemoehybrid": dict(
+        **HYBRID_LAYERS,
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        shared_intermediate_size=128,
     ),
 }
 """Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).

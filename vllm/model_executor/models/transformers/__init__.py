@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.attention import (
     vllm_mla_attention_forward,
 )
 from vllm.model_executor.models.transformers.causal import CausalMixin
+from vllm.model_executor.models.transformers.hybrid import HybridMixin
 from vllm.model_executor.models.transformers.experts import (
     VLLM_EXPERTS,
     vllm_experts_forward,
@@ -42,6 +43,15 @@ class TransformersForCausalLM(CausalMixin):
 class TransformersMoEForCausalLM(CausalMixin):
     """A mixture-of-experts causal LM from Transformers: its experts run on vLLM's
     fused MoE (`experts.py`), the rest as in a dense one."""
+
+
+class TransformersHybridForCausalLM(HybridMixin):
+    """A hybrid causal LM from Transformers: attention beside state-space mixers,
+    which run on vLLM's stateful layers (`hybrid.py`)."""
+
+
+class TransformersHybridMoEForCausalLM(HybridMixin):
+    """A hybrid causal LM whose feed-forward is a mixture of experts."""
 
 
 class TransformersEmbeddingModel(EmbeddingMixin):

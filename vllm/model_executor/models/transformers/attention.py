@@ -6,6 +6,7 @@ vLLM's `Attention`, `"vllm_mla"` for its latent attention, `MLAAttention`."""
 
 import ast
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -304,20 +305,25 @@ def cache_state_use(cls: type[nn.Module]) -> str | None:
     return None
 
 
-def refuse_state_beyond_keys_and_values(model: nn.Module, prefix: str) -> None:
+def refuse_state_beyond_keys_and_values(
+    model: nn.Module, prefix: str, why_not: Callable[[nn.Module], str] | None = None
+) -> None:
     """A construction error naming the first module that keeps state of its own in
     Transformers' cache: vLLM's cache holds attention keys and values only, and the
     HF model runs without Transformers' cache, so such state (Zaya's convolution
     over the queries and keys, before its attention call) would be lost between
-    steps and every generated token computed without it, a wrong answer."""
+    steps and every generated token computed without it, a wrong answer. Mixers
+    that a fuser put on vLLM's state layers are gone by then; `why_not` says why
+    the fusers left a module alone."""
     for name, module in model.named_modules(prefix=prefix):
         if (use := cache_state_use(type(module))) is not None:
+            why = f" Not on vLLM's state layers: {why_not(module)}." if why_not else ""
             raise ValueError(
                 f"{name} ({type(module).__name__}) keeps state of its "
                 f"own in Transformers' cache ({use}). vLLM runs the model without that "
                 "cache (its paged cache holds attention keys and values only), so "
                 "the state would be lost between steps and the output would be "
-                "wrong; the Transformers modeling backend cannot serve this model."
+                f"wrong; the Transformers modeling backend cannot serve this model.{why}"
             )
 
 

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import inspect
 import linecache
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -371,7 +371,6 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.pp_group,
             self.tie_word_embeddings,
         )
-        refuse_state_beyond_keys_and_values(self.model, BASE)
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
         self.plan = Fusers(
@@ -390,6 +389,9 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         self.weight_copies: dict[str, str] = {}
         """Parameter name -> another parameter that loads the same checkpoint tensor."""
         sites = self.apply(getattr(self.model, "_tp_plan", None))
+        # After fusing: a mixer a fuser put on vLLM's state layers keeps no state
+        # in Transformers' cache any more; any other module that does is refused.
+        refuse_state_beyond_keys_and_values(self.model, BASE, self.plan.why_not)
         self.hf_to_vllm_mapper = self.layout.mapper()
         self.embedding_modules = self.input_embedding_modules()
         layer_names = {
@@ -398,7 +400,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         }
         attach_attention(
             attention_sites(sites),
-            self.layer_range,
+            self.attention_layers(attention_sites(sites)),
             vllm_config,
             prefix,
             layer_names,
@@ -406,6 +408,11 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             {site.qualname: self.plan.why_not(site.module) for site in sites},
         )
         return hf_model
+
+    def attention_layers(self, sites: dict[int, AttentionSite]) -> Sequence[int]:
+        """The decoder layers that must dispatch attention to vLLM (`sites`: the
+        layers that do): every layer here; a hybrid model's attention layers."""
+        return self.layer_range
 
     def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
         """Modules of the base model left to Transformers whole (by name, with why):

@@ -11,6 +11,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
 )
 from vllm.model_executor.models.transformers.fusers.experts import ExpertsFuser
 from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
+from vllm.model_executor.models.transformers.fusers.mamba2 import Mamba2MixerFuser
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
 from vllm.model_executor.models.transformers.fusers.moe_block import MoEBlockFuser
 from vllm.model_executor.models.transformers.fusers.packed_qkv import PackedQKVFuser
@@ -38,6 +39,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     RotaryFuser,
     AttentionFuser,
     ExpertsFuser,
+    Mamba2MixerFuser,
 )
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "ExpertsFuser",
     "GLUFuser",
     "MLAFuser",
+    "Mamba2MixerFuser",
     "MoEBlockFuser",
     "PackedQKVFuser",
     "QKVFuser",

@@ -1,0 +1,301 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The Mamba-2 mixer on vLLM's `MambaMixer2`, its states in vLLM's state cache."""
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self
+
+import torch
+from torch import fx, nn
+from transformers.cache_utils import Cache, LinearAttentionLayer
+
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.mixers import (
+    Mamba2Dims,
+    Mamba2Mixer,
+    mamba2_reference,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_OWN_TENSORS = frozenset({"A_log", "D", "dt_bias"})
+_CHILDREN = frozenset({"in_proj", "conv1d", "norm", "out_proj", "act"})
+_ACTIVATIONS = frozenset({"silu", "swish"})
+"""What vLLM's causal convolution applies (it takes no other activation)."""
+_SEGMENTS = (5, 3, 1, 1)
+"""The probe's calls: a prefill, a prefill continued from its state (vLLM's chunked
+prefill), then token-by-token decoding."""
+_RTOL = 1e-4
+"""Relative to the output's scale. Transformers' own scan computes in float32 even
+on a float64 probe; any other gating, norm or recurrence is off by 1e-1 or more."""
+
+
+def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
+    """The module as `MambaMixer2` would be built for it, from its tensors' shapes
+    and what it holds (the norm's group count not yet proven: the B/C groups'); or
+    why it does not fit that layer."""
+    in_proj, conv, out_proj = module.in_proj, module.conv1d, module.out_proj
+    num_heads = module.A_log.shape[0]
+    conv_dim, _, kernel = conv.weight.shape
+    intermediate = out_proj.in_features
+    n_groups = getattr(module, "n_groups", None)
+    norm = module.norm
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    activation = getattr(module, "activation", None)
+    limit = tuple(getattr(module, "time_step_limit", (0.0, math.inf)))
+    if {module.D.shape[0], module.dt_bias.shape[0]} != {num_heads}:
+        return "its A_log, D and dt_bias do not hold one value per head each"
+    if (conv.groups, conv.stride, conv.dilation, conv.padding) != (
+        conv_dim,
+        (1,),
+        (1,),
+        (kernel - 1,),
+    ):
+        return "its conv1d is not a causal depthwise convolution"
+    if in_proj.out_features != intermediate + conv_dim + num_heads:
+        return (
+            f"its in_proj gives {in_proj.out_features} features, not the gate, the "
+            "convolution's input and one time step per head"
+        )
+    if out_proj.out_features != in_proj.in_features:
+        return "its out_proj does not return the hidden size it takes"
+    if (in_proj.bias is None) != (out_proj.bias is None):
+        return "one of in_proj and out_proj has a bias and the other not"
+    if not isinstance(n_groups, int) or n_groups < 1 or num_heads % n_groups:
+        return f"its group count n_groups={n_groups!r} does not divide its heads"
+    if intermediate % num_heads or (conv_dim - intermediate) % (2 * n_groups):
+        return "its widths do not split into heads and B/C groups"
+    if activation not in _ACTIVATIONS:
+        return f"its convolution's activation is {activation!r}, not silu"
+    if not isinstance(eps, float):
+        return "its norm holds no epsilon"
+    if limit != (0.0, math.inf):
+        return (
+            f"it clamps its time steps to {limit} (`time_step_limit`), which "
+            "vLLM's MambaMixer2 does not"
+        )
+    return Mamba2Dims(
+        hidden_size=in_proj.in_features,
+        intermediate_size=intermediate,
+        num_heads=num_heads,
+        head_dim=intermediate // num_heads,
+        n_groups=n_groups,
+        state_size=(conv_dim - intermediate) // (2 * n_groups),
+        conv_kernel=kernel,
+        use_conv_bias=conv.bias is not None,
+        use_bias=in_proj.bias is not None,
+        eps=eps,
+        activation=activation,
+        norm_groups=n_groups,
+    )
+
+
+@dataclass
+class Mamba2MixerFuser(BaseFuser):
+    """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
+
+    The module's shapes and what it holds (heads, groups, kernel, biases, eps,
+    activation, time-step limit, chunk size) say how vLLM's layer is built; a float64
+    probe of each instance, run against the module itself (a prefill, a prefill
+    continued from its state, token-by-token decoding, through Transformers' cache),
+    proves that layer computes the same, and finds over how many groups the gated
+    norm normalises. The module is then replaced by vLLM's layer under its own call
+    signature (`mixers.Mamba2Mixer`), its states in vLLM's state cache. A mixer that
+    differs is declined with why, and the backend refuses the model naming it
+    (`refuse_state_beyond_keys_and_values`): its state would be lost."""
+
+    kind = "mamba2"
+    needs_graph = False
+
+    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
+    """Probe verdicts (the dims, or why not) per instance signature."""
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        own = {name for name, _ in module.named_parameters(recurse=False)}
+        return "A_log" in own and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | Declined | None:
+        if not cls.could_match(module):
+            return None
+        own = {
+            name
+            for name, _ in itertools.chain(
+                module.named_parameters(recurse=False), module.named_buffers(recurse=False)
+            )
+        }
+        children = {name for name, _ in module.named_children()}
+        if own - _OWN_TENSORS or children - _CHILDREN:
+            extra = sorted((own - _OWN_TENSORS) | (children - _CHILDREN))
+            return cls.decline(
+                module, f"it holds {extra}, which vLLM's MambaMixer2 has no place for"
+            )
+        if not _CHILDREN - {"act"} <= children or not own == _OWN_TENSORS:
+            return cls.decline(module, "it lacks a part of a Mamba-2 mixer")
+        if not all(
+            isinstance(getattr(module, n), nn.Linear) for n in ("in_proj", "out_proj")
+        ):
+            return cls.decline(module, "its in_proj or out_proj is not a linear")
+        if not hasattr(module, "layer_idx"):
+            return cls.decline(module, "it has no layer_idx to find its state by")
+        return cls()
+
+    def dims(self, module: nn.Module) -> Mamba2Dims | str:
+        """The instance's dims as its probe proved them, or why it cannot be."""
+        found = mixer_dims(module)
+        if isinstance(found, str):
+            return found
+        attributes = tuple(
+            (name, value)
+            for name, value in vars(module).items()
+            if not name.startswith("_") and isinstance(value, int | float | str | tuple)
+        )
+        signature = (type(module), found, attributes)
+        if signature not in self.verdicts:
+            with torch.device("cpu"):
+                self.verdicts[signature] = _prove(module, found)
+        return self.verdicts[signature]
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        found = self.dims(module)
+        if isinstance(found, str):
+            return found
+        chunk_size = getattr(module, "chunk_size", None)
+        vllm_chunk = vllm_config.model_config.get_mamba_chunk_size()
+        if chunk_size is not None and chunk_size != vllm_chunk:
+            return (
+                f"it scans in chunks of {chunk_size} tokens, and vLLM's Mamba-2 "
+                f"metadata in chunks of {vllm_chunk} for every layer"
+            )
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if found.num_heads % tp or (found.n_groups % tp and found.n_groups != 1):
+            return (
+                f"its {found.num_heads} heads in {found.n_groups} groups do not "
+                f"divide across {tp} tensor-parallel ranks as MambaMixer2 splits them"
+            )
+        return None
+
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
+        found = self.dims(module)
+        assert isinstance(found, Mamba2Dims), found
+        return Mamba2Mixer(found, vllm_config, prefix)
+
+    def renamed_weights(self, prefix: str) -> dict[str, str]:
+        # vLLM's layer keeps A = -exp(A_log), computed by the parameter's loader.
+        return {f"{prefix}.A_log": f"{prefix}.A"}
+
+    def report_detail(self, name: str, module: nn.Module) -> str:
+        d: Mamba2Dims = module.dims
+        conv, ssm = d.state_elements()
+        per_rank = get_tensor_model_parallel_world_size()
+        dtypes = module.get_state_dtype()
+        size = (conv * dtypes[0].itemsize + ssm * dtypes[1].itemsize) // per_rank
+        return (
+            f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
+            f"B/C groups of state {d.state_size}, kernel {d.conv_kernel}, norm over "
+            f"{d.norm_groups} group(s); vLLM MambaMixer2, state {size} bytes per "
+            f"sequence per rank (convolution {conv}, SSM {ssm} elements in all)"
+        )
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return f"Fused: Mamba-2 mixer -> {self.report_detail(name, module)}"
+
+
+def _random_tensors(
+    module: nn.Module, generator: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """float64 values for every tensor of `module`, scaled so that every part of the
+    mixer matters: time steps around 1, decays between 0.3 and 1."""
+
+    def normal(shape, mean: float, std: float) -> torch.Tensor:
+        return mean + std * torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    tensors = {}
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        if name == "A_log":
+            tensors[name] = normal(tensor.shape, -1.0, 0.5)
+        elif name in ("D", "norm.weight"):
+            tensors[name] = normal(tensor.shape, 1.0, 0.3)
+        elif tensor.ndim == 2:
+            tensors[name] = normal(tensor.shape, 0.0, tensor.shape[1] ** -0.5)
+        elif tensor.ndim == 3:  # conv1d.weight [channels, 1, kernel]
+            tensors[name] = normal(tensor.shape, 0.0, tensor.shape[2] ** -0.5)
+        else:
+            tensors[name] = normal(tensor.shape, 0.0, 0.5)
+    return tensors
+
+
+def _prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
+    """`dims` with the norm group count under which vLLM's layer computes what
+    `module` does on a float64 probe, or why no count does."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = _random_tensors(module, generator)
+    x = torch.randn(
+        sum(_SEGMENTS), dims.hidden_size, generator=generator, dtype=torch.float64
+    )
+    outputs = _run_module(module, tensors, x)
+    if isinstance(outputs, str):
+        return outputs
+    worst = math.inf
+    for groups in sorted({dims.n_groups, 1}):
+        candidate = Mamba2Dims(**{**vars(dims), "norm_groups": groups})
+        gap, where = _gap(outputs, tensors, candidate, x)
+        if gap is None:
+            return candidate
+        if gap < worst:
+            worst, worst_where = gap, where
+    return (
+        "on a float64 probe vLLM's MambaMixer2 (silu-gated RMSNorm over 1 or "
+        f"{dims.n_groups} groups, softplus time steps, unclamped) differs from it "
+        f"by {worst:.3g} (relative) in {worst_where}"
+    )
+
+
+def _run_module(
+    module: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor
+) -> list[torch.Tensor] | str:
+    """The module's outputs for `x` fed in `_SEGMENTS`, its state kept in
+    Transformers' cache between calls; or why it fails."""
+    cache = Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx + 1)])
+    outputs = []
+    for segment in torch.split(x, list(_SEGMENTS)):
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(
+                    module, tensors, (segment[None],), {"cache_params": cache}
+                )
+        except Exception as error:  # noqa: BLE001 - a mixer we cannot run is declined
+            return f"it fails on a probe: {type(error).__name__}: {error}"
+        if not isinstance(out, torch.Tensor) or out.shape != segment[None].shape:
+            return "it does not return one hidden state per token"
+        outputs.append(out[0].to(torch.float64))
+    return outputs
+
+
+def _gap(
+    outputs: list[torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    dims: Mamba2Dims,
+    x: torch.Tensor,
+) -> tuple[float | None, str]:
+    """`None` where `mamba2_reference` on `dims` gives `outputs`, else the largest
+    relative gap and the call it is in."""
+    state = None
+    for i, (segment, got) in enumerate(zip(torch.split(x, list(_SEGMENTS)), outputs)):
+        want, state = mamba2_reference(tensors, dims, segment, state)
+        scale = want.abs().max().clamp_min(1.0)
+        gap = float((got - want).abs().max() / scale)
+        if not gap <= _RTOL:
+            where = (
+                "the prefill" if i == 0 else "the continued prefill" if i == 1 else
+                f"decode step {i - 1}"
+            )
+            return gap, where
+    return None, ""
