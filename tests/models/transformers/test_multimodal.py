@@ -506,6 +506,92 @@ def test_processor_that_refuses_text_without_an_image_is_refused(tmp_path):
     )
 
 
+# --- prompt ids: the processor's own, no engine ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_processing():
+    """vLLM's processor for the tiny Gemma 3 (this backend's), Transformers' own, and
+    the requests with images. Its tokenizer has Gemma's newline tokens, "\\n" to
+    "\\n\\n\\n\\n", matched longest first as Gemma's BPE merges them."""
+    from transformers import AutoProcessor
+
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    path = checkpoint("gemma3")
+    model_config = ModelConfig(
+        model=str(path), model_impl="transformers", dtype="float32"
+    )
+    recipe = tiny_multimodal.RECIPES["gemma3"]
+    with_images = {
+        name: request
+        for name, request in tiny_multimodal.requests(recipe).items()
+        if request.images
+    }
+    return (
+        MULTIMODAL_REGISTRY.create_processor(model_config),
+        AutoProcessor.from_pretrained(str(path)),
+        with_images,
+    )
+
+
+def _vllm_prompt(processor, prompt: str | list[int], request) -> dict:
+    items = processor.data_parser.parse_mm_data(
+        {"image": [i.pil() for i in request.images]}
+    )
+    return processor(prompt, items)
+
+
+def test_prompt_ids_equal_the_processors_where_its_text_merges(gemma3_processing):
+    """Gemma 3's processor writes "\\n\\n" around each image, and Gemma's tokenizer
+    merges it with a newline of the prompt beside the image ("\\n\\n\\n" before,
+    "\\n\\n\\n\\n" after): the prompt vLLM's engine gets is the processor's own for
+    the whole prompt (it was the prompt's "\\n" and the image's "\\n\\n" apart, a
+    token longer on each side, and the greedy tokens of a tiny Gemma 3 diverged at
+    the third step). Each image's embeddings go to its 4 soft tokens. Near miss: no
+    newline beside an image (the other requests), nothing merges."""
+    processor, hf_processor, with_images = gemma3_processing
+    recipe = tiny_multimodal.RECIPES["gemma3"]
+    soft = tiny_multimodal.token_id(recipe, "<image_soft_token>")
+    prompts = {}
+    for name, request in with_images.items():
+        text = request.prompt(recipe)
+        want = hf_processor(text=text, images=[i.pil() for i in request.images])
+        out = _vllm_prompt(processor, text, request)
+        ids = prompts[name] = out["prompt_token_ids"]
+        assert ids == want["input_ids"][0], name
+        for image in out["mm_placeholders"]["image"]:
+            span = ids[image.offset : image.offset + image.length]
+            embedded = [t for t, e in zip(span, image.is_embed.tolist()) if e]
+            assert embedded == [soft] * 4, name
+    tokens = hf_processor.tokenizer.convert_ids_to_tokens(prompts["newlines"])
+    assert [t for t in tokens if t.startswith("\n")] == ["\n\n\n", "\n\n\n\n"]
+
+
+def test_prompt_ids_given_apart_stay_apart(gemma3_processing):
+    """Near miss: a prompt given as token ids that are not the tokenizer's own for
+    their text (two "\\n" tokens where it writes one "\\n\\n") is not the text the
+    processor would see; its ids are kept as given, each image's expansion put in
+    place of its placeholder."""
+    processor, hf_processor, with_images = gemma3_processing
+    request = with_images["newlines"]
+    tokenizer = hf_processor.tokenizer
+    text = request.prompt(tiny_multimodal.RECIPES["gemma3"])
+    newline = tokenizer.convert_tokens_to_ids("\n")
+    apart = []
+    for token in tokenizer.encode(text):
+        apart += [newline] * tokenizer.decode([token]).count("\n") or [token]
+    out = _vllm_prompt(processor, apart, request)
+    (image,) = out["mm_placeholders"]["image"]
+    ids = out["prompt_token_ids"]
+    expansion = ids[image.offset : image.offset + image.length]
+    assert ids[: image.offset] + ids[image.offset + image.length :] == [
+        t for t in apart if t != tokenizer.convert_tokens_to_ids("<start_of_image>")
+    ]
+    assert tokenizer.convert_ids_to_tokens(expansion)[0] == "\n\n"
+
+
 # --- M-RoPE, no engine -------------------------------------------------------------
 
 

@@ -84,6 +84,9 @@ class Recipe:
     """Whether the tokenizer writes `<s>` first. VibeVoiceAsr's (Qwen2's) does not;
     its processor tokenizes without special tokens and vLLM with them, so a tokenizer
     that added one would give the two different prompts."""
+    text_tokens: tuple[str, ...] = ()
+    """Plain (not special) tokens appended after the image tokens, matched longest
+    first: Gemma's runs of newlines (`NEWLINES`)."""
 
 
 QWEN_VL_TOKENS = (
@@ -98,6 +101,11 @@ QWEN_VL_PATCHES: dict[str, Any] = dict(
 )
 """Qwen2-VL's and Qwen2.5-VL's patching: 8 px patches, merged 2x2 into one token."""
 QWEN_VL_VIDEO = dict(QWEN_VL_PATCHES, video_processor_type="Qwen2VLVideoProcessor")
+
+NEWLINES = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+"""Gemma's vocabulary has a token for each run of up to four newlines, which its
+BPE merges: the `"\n\n"` Gemma 3's processor writes around an image becomes one
+`"\n\n\n"` with a newline of the prompt beside it."""
 
 RECIPES: dict[str, Recipe] = {
     # LLaVA: CLIP tower (class token dropped, `vision_feature_layer=-2`), a GELU
@@ -121,11 +129,13 @@ RECIPES: dict[str, Recipe] = {
         video_processor=QWEN_VL_VIDEO,
     ),
     # Gemma 3: SigLIP tower, average-pooled to 4 soft tokens, a Gemma 3 decoder
-    # whose image tokens attend to each other both ways in Transformers.
+    # whose image tokens attend to each other both ways in Transformers; Gemma's
+    # newline tokens, which merge with the newlines its processor writes.
     "gemma3": Recipe(
         "gemma3",
         ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
         "<start_of_image>",
+        text_tokens=NEWLINES,
     ),
     # Emu3: no vision encoder but a VQ-VAE (`vqmodel`) that turns a picture into
     # discrete tokens, embedded with the text embeddings; each image is written as
@@ -242,7 +252,11 @@ RECIPES: dict[str, Recipe] = {
 
 
 def token_id(recipe: Recipe, token: str) -> int:
-    return tiny.VOCAB_SIZE + recipe.image_tokens.index(token)
+    return tiny.VOCAB_SIZE + (recipe.image_tokens + recipe.text_tokens).index(token)
+
+
+def vocab_size(recipe: Recipe) -> int:
+    return tiny.VOCAB_SIZE + len(recipe.image_tokens) + len(recipe.text_tokens)
 
 
 CHAT_TEMPLATE = (
@@ -324,6 +338,13 @@ REQUESTS: dict[str, Request] = {
 """Requests every family is checked on (Qwen2-VL sees the wide and tall pictures at
 their own resolution; the fixed-size towers see them resized)."""
 
+NEWLINE_REQUESTS: dict[str, Request] = {
+    "newlines": Request("the small cat sees\n{image}\n\nnear the river", (RED,)),
+}
+"""Requests of a recipe with newline tokens: its processor's `"\n\n"` around the
+image merges with the prompt's newlines (into `"\n\n\n"` before it and
+`"\n\n\n\n"` after)."""
+
 AUDIO_REQUESTS: dict[str, Request] = {
     "one audio": Request(
         "the small cat sees {audio} near the river", audios=(Audio(0.5, 1),)
@@ -362,7 +383,7 @@ def config(recipe: Recipe):
     from transformers import AutoConfig
 
     tid = lambda token: token_id(recipe, token)  # noqa: E731
-    text = dict(TEXT, vocab_size=tiny.VOCAB_SIZE + len(recipe.image_tokens))
+    text = dict(TEXT, vocab_size=vocab_size(recipe))
     if recipe.model_type == "llava":
         return AutoConfig.for_model(
             "llava",
@@ -634,8 +655,9 @@ TOKENIZER_NAMES: dict[str, dict[str, str]] = {
 
 def make_tokenizer(recipe: Recipe):
     """`tiny`'s word-level tokenizer with the recipe's image tokens as special tokens
-    (ids in `token_id` order), named as the model's processor looks them up."""
-    from tokenizers import processors
+    and its text tokens as plain ones (ids in `token_id` order), named as the model's
+    processor looks them up."""
+    from tokenizers import AddedToken, decoders, processors
 
     tokenizer = tiny.make_tokenizer()
     if not recipe.tokenizer_adds_bos:
@@ -645,7 +667,16 @@ def make_tokenizer(recipe: Recipe):
     tokenizer.add_special_tokens(
         {"additional_special_tokens": list(recipe.image_tokens)}
     )
-    for token in recipe.image_tokens:
+    if recipe.text_tokens:
+        tokenizer.add_tokens(
+            [AddedToken(t, normalized=False, special=False) for t in recipe.text_tokens]
+        )
+        # Words come back with a space between them, newlines without one: the
+        # text decodes as it encodes (a newline beside another merges again).
+        tokenizer.backend_tokenizer.decoder = decoders.Sequence(
+            [decoders.WordPiece(prefix="##", cleanup=False), decoders.Replace(" \n", "\n")]
+        )
+    for token in recipe.image_tokens + recipe.text_tokens:
         assert tokenizer.convert_tokens_to_ids(token) == token_id(recipe, token)
     # Gemma 3's and Emu3's processors read these names off their tokenizer.
     names = TOKENIZER_NAMES.get(recipe.model_type)
@@ -817,8 +848,11 @@ def make_processor(recipe: Recipe, tokenizer):
 
 
 def requests(recipe: Recipe) -> dict[str, Request]:
-    """The requests the recipe is checked on: all of its modality's."""
-    return dict(AUDIO_REQUESTS if recipe.modality == "audio" else REQUESTS)
+    """The requests the recipe is checked on: all of its modality's, and those
+    with newlines where its tokenizer has newline tokens."""
+    if recipe.modality == "audio":
+        return dict(AUDIO_REQUESTS)
+    return {**REQUESTS, **(NEWLINE_REQUESTS if recipe.text_tokens else {})}
 
 
 def fingerprint(name: str) -> str:

@@ -60,6 +60,10 @@ from vllm.multimodal.inputs import (
     MultiModalKwargsItems,
 )
 from vllm.multimodal.parse import ImageProcessorItems, ImageSize, MultiModalDataItems
+from vllm.multimodal.processing.processor import (
+    MultiModalPromptUpdates,
+    PlaceholderFeaturesInfo,
+)
 from vllm.transformers_utils.processor import get_processor_cls_name_from_config
 
 if TYPE_CHECKING:
@@ -486,6 +490,63 @@ class MultiModalProcessor(
             )
 
         return [processing.PromptReplacement(IMAGE, [target], replacement)]
+
+    def _apply_prompt_updates(
+        self,
+        token_ids: list[int],
+        mm_prompt_updates: MultiModalPromptUpdates,
+    ) -> tuple[list[int], Mapping[str, list[PlaceholderFeaturesInfo]]]:
+        """Each placeholder replaced by what the processor writes for its image,
+        then the prompt tokenized as one text, as the processor tokenizes it: the
+        text it writes around an image (Gemma 3's "\\n\\n") merges with the
+        prompt's beside it where the tokenizer has a token for both ("\\n\\n\\n").
+        Each image's placeholder is then its tokens from the first special token to
+        the last, which a tokenizer splits out of any text first. Prompt ids that
+        are not the tokenizer's own for their text (given as ids) are kept."""
+        new_ids, placeholders = super()._apply_prompt_updates(
+            token_ids, mm_prompt_updates
+        )
+        tokenizer = self.info.get_tokenizer()
+
+        def as_text(ids: list[int]) -> list[int]:
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        if as_text(token_ids) != token_ids or (merged := as_text(new_ids)) == new_ids:
+            return new_ids, placeholders
+        special = set(tokenizer.all_special_ids) | {self.info.image_token_id()}
+        found: dict[str, list[PlaceholderFeaturesInfo]] = {}
+        start = 0
+        for placeholder in sorted(
+            (p for ps in placeholders.values() for p in ps), key=lambda p: p.start_idx
+        ):
+            kept = [i for i, t in enumerate(placeholder.tokens) if t in special]
+            first, last = kept[0], kept[-1] + 1
+            tokens = placeholder.tokens[first:last]
+            start = _find(merged, tokens, start)
+            is_embed = placeholder.is_embed
+            found.setdefault(placeholder.modality, []).append(
+                PlaceholderFeaturesInfo(
+                    modality=placeholder.modality,
+                    item_idx=placeholder.item_idx,
+                    start_idx=start,
+                    tokens=tokens,
+                    is_embed=None if is_embed is None else is_embed[first:last],
+                )
+            )
+            start += len(tokens)
+        return merged, found
+
+
+def _find(ids: list[int], tokens: list[int], start: int) -> int:
+    """Where `tokens` first stand in `ids` from `start` on."""
+    for i in range(start, len(ids) - len(tokens) + 1):
+        if ids[i : i + len(tokens)] == tokens:
+            return i
+    raise ValueError(
+        f"The tokens of an image ({tokens}) are not in the prompt tokenized as one "
+        f"text ({ids})."
+    )
 
 
 def _rows_alone(processor: ProcessorMixin, image: object, in_prompt: bool) -> int:
