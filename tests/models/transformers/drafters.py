@@ -74,7 +74,10 @@ def build(target: Path, method: str, out: Path, seed: int = 0) -> Path:
     if method == "eagle":
         # One layer over fc([embedding, hidden state]); layer 0 has no input norm,
         # and no final norm: the target's LM head reads its output.
-        shapes = {"fc.weight": (hidden, 2 * hidden), **_layer("layers.0", hidden, hidden)}
+        shapes = {
+            "fc.weight": (hidden, 2 * hidden),
+            **_layer("layers.0", hidden, hidden),
+        }
         draft = _config(config)
     elif method == "eagle3":
         # fc(the target's states at AUX_LAYERS), then one layer over the normed

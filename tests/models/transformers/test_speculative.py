@@ -13,6 +13,7 @@ Transformers' (the same reference the engine without speculation is held to in
 seldom right; the draft model here is the target's own checkpoint, so every draft is
 accepted. `E2E_IMPL=stock` runs the same against vLLM's stock backend."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -175,10 +176,13 @@ def test_eagle_on_a_dense_target(tmp_path):
 
 @pytest.mark.engine
 def test_draft_model_served_by_this_backend():
-    """A draft model whose architecture vLLM routes to this backend (OLMo 2): the
-    target's own checkpoint, so it proposes the target's own greedy tokens, every
-    one accepted."""
+    """A draft model whose architecture vLLM routes to the Transformers backend (OLMo
+    2; vLLM builds a draft with `model_impl="auto"`): the target's own checkpoint, so
+    it proposes the target's own greedy tokens, every one accepted."""
     run = speculate("olmo2", "draft_model", tiny.checkpoint("olmo2"))
+    # The draft's config is resolved after the target's.
+    resolved = re.findall(r"Resolved architecture: (\w+)", run.log)
+    assert resolved[-1] == "TransformersForCausalLM", resolved
     counters = run.spec_decode
     assert (
         counters["vllm:spec_decode_num_accepted_tokens"]

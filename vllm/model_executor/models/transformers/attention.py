@@ -35,6 +35,7 @@ from vllm.model_executor.models.transformers.fusion_report import (
     FusionReport,
 )
 from vllm.model_executor.models.transformers.rewriting import forward_source
+from vllm.model_executor.models.utils import maybe_prefix
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -376,7 +377,8 @@ def attach_attention(
                 "interface."
             )
         needs = site.needs
-        layer_prefix = f"{prefix}{site.qualname}.{ATTN_ATTR}"
+        # A draft model is built under the prefix `draft_model`.
+        layer_prefix = maybe_prefix(prefix, f"{site.qualname}.{ATTN_ATTR}")
         attn: Attention | MLAAttention
         if model_config.use_mla:
             if needs.latent is None:
