@@ -634,6 +634,42 @@ def test_mrope_positions_equal_the_hf_model(build_backend):
     assert positions[0, first_after].item() == positions[0, offsets[0]].item() + 3
 
 
+def test_mrope_positions_from_a_get_rope_index_without_token_types(
+    build_backend, monkeypatch
+):
+    """Qwen2.5-Omni's and Qwen3-Omni's `get_rope_index` have no `mm_token_type_ids`
+    (they find the image tokens in the ids): it is called with the arguments its
+    signature takes, and gives the positions of one that takes them."""
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["qwen2_vl"])
+    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    model = build_backend(config, backend_class="TransformersMultiModalForCausalLM")
+    image, grid = config.image_token_id, torch.tensor([1, 4, 6])
+    count = int(grid.prod()) // 4
+    ids = [tiny.BOS_ID, 7, config.vision_start_token_id, *[image] * count, 8]
+    features = [
+        SimpleNamespace(
+            modality="image",
+            mm_position=PlaceholderRange(offset=3, length=count),
+            data={"image_grid_thw": SimpleNamespace(data=grid)},
+        )
+    ]
+    with_token_types = model.get_mrope_input_positions(ids, features)
+    takes_token_types = model.model.get_rope_index
+
+    def get_rope_index(
+        input_ids, image_grid_thw=None, video_grid_thw=None, attention_mask=None
+    ):
+        token_types = (input_ids == image).int()
+        return takes_token_types(input_ids, token_types, image_grid_thw)
+
+    monkeypatch.setattr(model.model, "get_rope_index", get_rope_index)
+    positions, delta = model.get_mrope_input_positions(ids, features)
+    assert torch.equal(positions, with_token_types[0])
+    assert delta == with_token_types[1] < 0
+
+
 # --- construction, no engine -------------------------------------------------------
 
 

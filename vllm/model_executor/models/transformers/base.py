@@ -67,6 +67,7 @@ from vllm.model_executor.models.transformers.utils import (
     materialize,
     parameters_on_meta,
     replace_linear_class,
+    tokens_as_rows,
     tp_style,
 )
 from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
@@ -342,6 +343,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             logger.info(self.report.short())
 
         materialize(self, vllm_config.model_config.dtype)
+        tokens_as_rows(self)
         enable_compile(self.model, vllm_config)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states"], self.text_config.hidden_size

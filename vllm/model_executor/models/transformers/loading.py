@@ -20,6 +20,7 @@ from transformers.core_model_loading import (
 )
 
 from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.models.transformers.records import ShardId
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
@@ -119,6 +120,60 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class QuantisedTensors:
+    """What the model's quantisation config does to checkpoint tensors before
+    vLLM's loader (`AutoWeightsLoader`) hands them to parameters, as that loader
+    asks it: the names its mappers give them or drop (`g_idx`, the activation order
+    of GPTQ exports, which vLLM's kernels do not use; KV-cache scales moved onto
+    the attention layer), and the suffixes it lets go unconsumed (KV-cache scales
+    where the cache is not quantised). The strict check follows the same answers."""
+
+    mapper: WeightsMapper | None
+    """The config's cache-scale and checkpoint mappers; `None` unquantised."""
+    suffixes: tuple[str, ...]
+    config_name: str = ""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "QuantisedTensors":
+        """The quantisation config vLLM's loader finds for `model`: the model's
+        own `quant_config`, else its first child's."""
+        config = next(
+            (
+                m.quant_config
+                for m in (model, *model.children())
+                if getattr(m, "quant_config", None) is not None
+            ),
+            None,
+        )
+        if config is None:
+            return cls(None, ())
+        return cls(
+            config.get_cache_scale_mapper() | config.get_checkpoint_weight_mapper(),
+            tuple(config._ignore_unexpected_suffixes),
+            type(config).__name__,
+        )
+
+    def map_name(self, name: str) -> str | None:
+        """`name` as the quantisation config renames it; `None` where it drops it."""
+        return name if self.mapper is None else self.mapper.map_name(name)
+
+    def may_be_unexpected(self, name: str) -> bool:
+        """Whether vLLM's loader ignores `name` where no parameter consumes it."""
+        return name.endswith(self.suffixes)
+
+    @property
+    def dropped(self) -> str:
+        return f"tensors the quantisation config drops ({self.config_name})"
+
+    @property
+    def unexpected(self) -> str:
+        return (
+            f"tensors the quantisation config ({self.config_name}) lets a model "
+            "without their parameter ignore"
+        )
+
+
 @dataclass
 class CheckpointLayout:
     """How an HF checkpoint names its tensors, relative to the backend's modules.
@@ -145,7 +200,6 @@ class CheckpointLayout:
     decoder_layers: tuple[str, int] | None = None
     """The decoder stack's name under the base model and how many layers it has:
     checkpoint layers past them are multi-token-prediction layers."""
-
     @classmethod
     def of(cls, hf_model: PreTrainedModel) -> "CheckpointLayout":
         output = hf_model.get_output_embeddings()
@@ -223,13 +277,15 @@ class CheckpointLayout:
         `copies` is also loaded into the parameter named by its value.
 
         Strict: a checkpoint tensor that nothing in `model` consumes is an error
-        naming it, unless `unneeded` says why it is not needed (logged once per
-        reason); so is a tensor whose shape is not the one the model was built with,
+        naming it, unless `unneeded` or the model's quantisation config
+        (`QuantisedTensors`) says why it is not needed (logged once per reason); so
+        is a tensor whose shape is not the one the model was built with,
         a fused parameter missing a shard, and (with `every_parameter`; vLLM checks
         quantised models itself) any parameter left unfilled. A checkpoint that
         cannot be read names the broken file, when `source` is its folder."""
         copies = copies or {}
         mapper = self.mapper()
+        quantisation = QuantisedTensors.of(model)
         renamed = mapper.get_rename_mapper()  # names before stacking
         loadable = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # Persistent buffers are in checkpoints too (Gemma 4's per-layer
@@ -247,11 +303,15 @@ class CheckpointLayout:
             # drop from a causal LM (`--convert embed|classify`: its LM head).
             if isinstance(module, PPMissingLayer | StageMissingLayer)
         )
-        # A layer with its own loader (vLLM's fused MoE) checks its own names.
+        # A layer with its own loader that maps checkpoint names onto its
+        # parameters (vLLM's fused MoE) checks its own names; vLLM's merged
+        # linears load their own parameters by name, which are checked here.
         self_loading = tuple(
             f"{name}."
             for name, module in model.named_modules()
-            if name and callable(getattr(module, "load_weights", None))
+            if name
+            and callable(getattr(module, "load_weights", None))
+            and not isinstance(module, LinearBase)
         )
         skipped: set[str] = set()
         shards: dict[str, set[ShardId]] = {}
@@ -274,12 +334,19 @@ class CheckpointLayout:
                 yield name, tensor
 
         def checked(mapped: Iterable[tuple[str, torch.Tensor]]):
-            for name, tensor in mapped:
+            for original, tensor in mapped:
+                name = quantisation.map_name(original)
+                if name is None:
+                    skip(quantisation.dropped, original)
+                    continue
                 if name not in loadable and not name.startswith(
                     elsewhere + self_loading
                 ):
                     if self._past_last_layer(name):
                         skip("multi-token-prediction layers past the last one", name)
+                        continue
+                    if quantisation.may_be_unexpected(name):
+                        skip(quantisation.unexpected, name)
                         continue
                     raise ValueError(
                         f"Checkpoint tensor {name!r} (as this backend names it) is "

@@ -31,7 +31,7 @@ With `limit_mm_per_prompt={"image": 0}` they are dropped while still on `meta`
 
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -744,10 +744,25 @@ class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
             grids.append(feature.data["image_grid_thw"].data)
         positions, deltas = get_rope_index(
             input_ids,
-            mm_token_type_ids=token_types,
-            image_grid_thw=torch.stack(grids) if grids else None,
+            **taken_by(
+                get_rope_index,
+                mm_token_type_ids=token_types,
+                image_grid_thw=torch.stack(grids) if grids else None,
+            ),
         )
         return positions[:, 0], int(deltas[0, 0])
+
+
+def taken_by(function: Callable, **arguments: Any) -> dict[str, Any]:
+    """The `arguments` `function`'s signature takes (all, where it takes
+    `**kwargs`): Qwen2-VL's `get_rope_index` reads the image tokens from
+    `mm_token_type_ids`, Qwen2.5-Omni's finds them in the ids and has no such
+    parameter."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return arguments
+    names = {p.name for p in parameters}
+    return {name: value for name, value in arguments.items() if name in names}
 
 
 register_processor = MULTIMODAL_REGISTRY.register_processor(

@@ -7,7 +7,7 @@ outside this package (vision and audio towers), so their signatures are stable.
 """
 
 import fnmatch
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal
 
@@ -17,8 +17,10 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     ReplicatedLinear,
     RowParallelLinear,
+    UnquantizedLinearMethod,
 )
 from vllm.model_executor.models.transformers import linears
 from vllm.model_executor.models.utils import maybe_prefix
@@ -125,9 +127,42 @@ def parameters_on_meta() -> Iterator[None]:
 
 def materialize(module: nn.Module, dtype: torch.dtype) -> None:
     """Allocate the parameters still on `meta` (those no vLLM layer replaced) on the
-    default device, which vLLM sets to the target device while it builds a model."""
+    default device, which vLLM sets to the target device while it builds a model.
+
+    A vLLM layer (one with a `quant_method`) owns its parameters: those it leaves on
+    `meta` stay there (online quantisation allocates them while loading, through
+    their `weight_loader`)."""
     for submodule in module.modules():
+        if getattr(submodule, "quant_method", None) is not None:
+            continue
         for name, param in list(submodule.named_parameters(recurse=False)):
             if param.device.type == "meta":
                 data = torch.empty(param.shape, dtype=dtype)
                 setattr(submodule, name, nn.Parameter(data, requires_grad=False))
+
+
+def tokens_as_rows(model: nn.Module) -> None:
+    """Hand each quantised vLLM linear under `model` its input as `[tokens,
+    features]`, the shape vLLM's own models give it, and its output back in the
+    input's leading shape. Transformers' modules pass `[1, tokens, features]` (the
+    backend runs the step as a batch of one), which some quantised kernels refuse
+    (the CPU int8 GEMM: "mat1 must be a 2D tensor")."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(module, LinearBase) or isinstance(
+            method, UnquantizedLinearMethod
+        ):
+            continue
+        if not getattr(method, "takes_tokens_as_rows", False):
+            method.apply = _rows(method.apply)
+            method.takes_tokens_as_rows = True
+
+
+def _rows(apply: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def apply_to_rows(
+        layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = apply(layer, x.reshape(-1, x.shape[-1]), bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return apply_to_rows
