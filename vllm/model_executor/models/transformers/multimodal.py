@@ -47,6 +47,9 @@ from vllm.config.multimodal import MultiModalDummyOptions
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import SupportsMRoPE, SupportsMultiModal
 from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.image_attention import (
+    check_image_attention,
+)
 from vllm.model_executor.models.transformers.loading import BASE
 from vllm.model_executor.models.utils import (
     StageMissingLayer,
@@ -651,6 +654,8 @@ class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
         ) == 0
         for name, why in self.kept.items():
             logger.info("Kept with Transformers: %s.%s (%s)", BASE, name, why)
+        if not self.text_only:
+            check_image_attention(hf_model, self.model, BASE)
         if self.text_only:
             # Dropped while still on `meta`: never allocated, and their checkpoint
             # tensors are skipped at load.
