@@ -274,11 +274,12 @@ def test_decoder_class_logits_equal_transformers(engines, name):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", list(tiny_pooling.MULTIMODAL))
+@pytest.mark.parametrize("name", ["llava"])
 def test_multimodal_pooling_equals_transformers(name):
-    """LLaVA's base model as an embedder and Gemma 3's classifier, on prompts with
-    one image, two and none: the engine's embeddings (logits) equal the HF model's
-    last token's, normalised (its logits)."""
+    """LLaVA's base model as an embedder, on prompts with one image, two and none:
+    the engine's embeddings equal the HF model's last token's, normalised. (Gemma 3's
+    classifier takes its class from the same mixin, whose images are refused on this
+    CPU engine as the causal model's are: `test_image_attention.py`.)"""
     import tiny_multimodal
 
     path = tiny_pooling.build_multimodal(name)

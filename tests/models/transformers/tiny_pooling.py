@@ -322,9 +322,7 @@ def build_multimodal(name: str) -> Path:
 def multimodal_outputs(path: Path, name: str, requests: list):
     """Transformers' output for each `tiny_multimodal.Request` (its processor's
     inputs): the last token's hidden state normalised (an embedder), or the
-    classifier's logits. Gemma 3's image tokens attend causally, as on vLLM's CPU
-    attention (its processor's token types, which make them attend both ways in
-    Transformers, are dropped)."""
+    classifier's logits."""
     import torch
     import transformers
     from transformers import AutoProcessor
@@ -344,7 +342,6 @@ def multimodal_outputs(path: Path, name: str, requests: list):
             inputs = processor(
                 text=request.prompt(recipe), images=images, return_tensors="pt"
             )
-            inputs.pop("token_type_ids", None)
             output = model(**inputs)
             if architecture.endswith("ForSequenceClassification"):
                 rows.append(output.logits[0])
