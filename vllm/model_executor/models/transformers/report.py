@@ -212,7 +212,10 @@ def _attention_class(attention: AttentionReport) -> str:
     return "Attention" if attention.causal else "EncoderOnlyAttention"
 
 
-DETAIL_TITLES = {"moe": "Mixture-of-experts blocks"}
+DETAIL_TITLES = {
+    "moe": "Mixture-of-experts blocks",
+    "mamba2": "State-space mixers, on vLLM's stateful layers",
+}
 """Section titles for the fusion kinds whose instances the report lists."""
 
 

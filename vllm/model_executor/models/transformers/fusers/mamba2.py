@@ -93,6 +93,18 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     )
 
 
+def mixer_state(module: nn.Module) -> Mamba2Dims | str | None:
+    """What `MambaMixer2` would be built with for `module` (its state's size), why
+    it cannot be, or `None` when `module` is no Mamba-2 mixer: read before a model
+    is built, to size vLLM's state cache."""
+    matched = Mamba2MixerFuser.match(None, module)
+    if matched is None:
+        return None
+    if isinstance(matched, Declined):
+        return matched.reason
+    return mixer_dims(module)
+
+
 @dataclass
 class Mamba2MixerFuser(BaseFuser):
     """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
