@@ -81,6 +81,8 @@ BUILD_CODE = (
     "pooling.py",
     "experts.py",
     "multimodal.py",
+    "hybrid.py",
+    "mixers.py",
     "loading.py",
     "fusion_report.py",
 )

@@ -133,7 +133,7 @@ def test_each_mixer_runs_on_mamba_mixer2_and_attention_layers_get_attention(
     )
     (detail,) = model.report.details["mamba2"]
     assert "model.layers.0.mamba: Mamba-2, 8 heads of 32" in detail
-    assert "vLLM MambaMixer2, state 19840 bytes per sequence" in detail
+    assert "vLLM MambaMixer2, state 19840 bytes per sequence on each rank" in detail
 
 
 def test_a_mixer_vllm_computes_otherwise_is_refused_naming_it_and_why(build_backend):

@@ -33,10 +33,7 @@ from vllm.model_executor.models.transformers.attention import (
 )
 from vllm.model_executor.models.transformers.base import build_hf_model
 from vllm.model_executor.models.transformers.causal import CausalMixin
-from vllm.model_executor.models.transformers.fusers.mamba2 import (
-    Mamba2MixerFuser,
-    mixer_dims,
-)
+from vllm.model_executor.models.transformers.fusers.mamba2 import mixer_state
 from vllm.model_executor.models.transformers.mixers import Mamba2Dims, Mamba2Mixer
 
 if TYPE_CHECKING:
@@ -73,12 +70,11 @@ def _mixers(vllm_config: "VllmConfig") -> tuple[Mamba2Dims, ...]:
 def _read_mixers(hf_model: nn.Module) -> tuple[Mamba2Dims, ...]:
     found = []
     for name, module in hf_model.named_modules():
-        matched = Mamba2MixerFuser.match(None, module)
-        if isinstance(matched, Mamba2MixerFuser):
-            dims = mixer_dims(module)
-            if isinstance(dims, Mamba2Dims):
-                found.append(dims)
-                continue
+        dims = mixer_state(module)
+        if isinstance(dims, Mamba2Dims):
+            found.append(dims)
+            continue
+        if isinstance(dims, str):
             why = dims
         elif (use := cache_state_use(type(module))) is not None:
             why = f"no mixer of this backend's matches it; it keeps state at {use}"

@@ -110,6 +110,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         set_current_vllm_config,
     )
     from vllm.model_executor.models import transformers as backend
+    from vllm.model_executor.models.transformers.hybrid import HybridMixin
     from vllm.model_executor.models.transformers.multimodal import MultiModalMixin
     from vllm.model_executor.models.transformers.pooling import PoolingMixin
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -133,7 +134,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         served_class = getattr(backend, model_config._get_transformers_backend_cls())
         built_class = (
             served_class
-            if issubclass(served_class, PoolingMixin | MultiModalMixin)
+            if issubclass(served_class, PoolingMixin | MultiModalMixin | HybridMixin)
             else backend.TransformersForCausalLM
         )
         vllm_config = VllmConfig(
@@ -208,7 +209,10 @@ def _attention_class(attention: AttentionReport) -> str:
     return "Attention" if attention.causal else "EncoderOnlyAttention"
 
 
-DETAIL_TITLES = {"moe": "Mixture-of-experts blocks"}
+DETAIL_TITLES = {
+    "moe": "Mixture-of-experts blocks",
+    "mamba2": "State-space mixers, on vLLM's stateful layers",
+}
 """Section titles for the fusion kinds whose instances the report lists."""
 
 

@@ -11,7 +11,6 @@ import torch
 from torch import fx, nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
 from vllm.model_executor.models.transformers.mixers import (
     Mamba2Dims,
@@ -94,6 +93,18 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     )
 
 
+def mixer_state(module: nn.Module) -> Mamba2Dims | str | None:
+    """What `MambaMixer2` would be built with for `module` (its state's size), why
+    it cannot be, or `None` when `module` is no Mamba-2 mixer: read before a model
+    is built, to size vLLM's state cache."""
+    matched = Mamba2MixerFuser.match(None, module)
+    if matched is None:
+        return None
+    if isinstance(matched, Declined):
+        return matched.reason
+    return mixer_dims(module)
+
+
 @dataclass
 class Mamba2MixerFuser(BaseFuser):
     """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
@@ -162,6 +173,11 @@ class Mamba2MixerFuser(BaseFuser):
         return self.verdicts[signature]
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if not vllm_config.model_config.is_hybrid:
+            return (
+                "vLLM keeps no state for this model: it is served by a class that is "
+                "not hybrid (vLLM named the class without the overlay's routing)"
+            )
         found = self.dims(module)
         if isinstance(found, str):
             return found
@@ -193,15 +209,17 @@ class Mamba2MixerFuser(BaseFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         d: Mamba2Dims = module.dims
-        conv, ssm = d.state_elements()
-        per_rank = get_tensor_model_parallel_world_size()
-        dtypes = module.get_state_dtype()
-        size = (conv * dtypes[0].itemsize + ssm * dtypes[1].itemsize) // per_rank
+        shapes, dtypes = module.get_state_shape(), module.get_state_dtype()
+        size = sum(math.prod(s) * t.itemsize for s, t in zip(shapes, dtypes))
+        states = ", ".join(
+            f"{part} {list(s)} {str(t).removeprefix('torch.')}"
+            for part, s, t in zip(("convolution", "SSM"), shapes, dtypes)
+        )
         return (
             f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
-            f"B/C groups of state {d.state_size}, kernel {d.conv_kernel}, norm over "
-            f"{d.norm_groups} group(s); vLLM MambaMixer2, state {size} bytes per "
-            f"sequence per rank (convolution {conv}, SSM {ssm} elements in all)"
+            f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, gated "
+            f"norm over {d.norm_groups} group(s); vLLM MambaMixer2, state {size} "
+            f"bytes per sequence on each rank ({states})"
         )
 
     def info(self, name: str, module: nn.Module) -> str:

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A hybrid model on the CPU engine: the tiny Granite 4.0 H (Mamba-2 mixers in layers
+0 and 2, attention in 1 and 3, a mixture of experts in every layer; every 1-D
+parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and norm
+weight included) answers as Transformers does, and as vLLM's native model does.
+
+The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
+split into chunks, each continuing from the state the one before left in vLLM's
+state cache; with at most 4 sequences at once, the fifth request starts (and
+prefills, chunk by chunk) while the first four decode, in batches of mixed lengths
+that mix prefills with decodes."""
+
+import functools
+
+import pytest
+import tiny
+
+pytestmark = pytest.mark.engine
+
+MODEL = "granitemoehybrid"
+LONG = " ".join(["the small cat sees a big dog near the river and the old king walks"] * 4)
+PROMPTS = [*tiny.PROMPTS, LONG]
+BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4)
+
+
+@functools.cache
+def reference() -> tuple[tiny.Completion, ...]:
+    return tuple(tiny.reference(tiny.checkpoint(MODEL), PROMPTS))
+
+
+@functools.cache
+def engine(impl: str) -> tiny.EngineRun:
+    return tiny.run_engine(
+        tiny.checkpoint(MODEL),
+        PROMPTS,
+        probe=impl == "project",
+        llm_kwargs=BATCHING,
+        **tiny.IMPLS[impl],
+    )
+
+
+def test_the_long_prompt_needs_several_prefill_chunks():
+    assert len(tiny.encode(tiny.checkpoint(MODEL), [LONG])[0]) > 3 * 16
+
+
+def test_mamba2_mixers_on_vllm_equal_transformers():
+    run = engine("project")
+    gap = tiny.compare(reference(), run.completions, tiny.logprob_atol(MODEL))
+    tiny.report(f"{MODEL} (project, chunked prefill) vs Transformers", run, gap)
+    (worker,) = run.probe
+    assert worker["model_class"] == "TransformersHybridMoEForCausalLM"
+    assert [a["module"] for a in worker["attached"]] == [
+        "model.layers.1.self_attn",
+        "model.layers.3.self_attn",
+    ]
+    for layer in (0, 2):
+        assert f"Fused: Mamba-2 mixer -> model.layers.{layer}.mamba: " in run.log
+
+
+def test_vllms_native_model_answers_the_same():
+    native = engine("native")
+    atol = tiny.logprob_atol(MODEL)
+    gap = tiny.compare(reference(), native.completions, atol)
+    tiny.report(f"{MODEL} (native, chunked prefill) vs Transformers", native, gap)
+    tiny.compare(native.completions, engine("project").completions, 2 * atol)
+
+
+def test_vllms_stock_backend_refuses_it():
+    with pytest.raises(
+        RuntimeError,
+        match=r"Layer 0 \(linear_attention\) does not dispatch through the "
+        r"Transformers attention interface",
+    ):
+        tiny.run_engine(tiny.checkpoint(MODEL), PROMPTS[:1], **tiny.IMPLS["stock"])
