@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pipeline parallel on `meta`: which layers each stage builds (the CPU engine cannot
-run PP, DESIGN §6, so the split is checked here)."""
+"""Pipeline parallel: which layers and modules each stage builds (on `meta`), and
+end to end on the CPU engine at PP=2 (compiled: vLLM's runner fails eager PP on this
+engine, for native models too)."""
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +18,9 @@ from vllm.model_executor.models.transformers.parallel import (
     stage_layer_range,
 )
 from vllm.model_executor.models.utils import PPMissingLayer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny  # noqa: E402
 
 
 def stage(rank: int, size: int) -> SimpleNamespace:
@@ -72,6 +78,79 @@ def test_last_stage_keeps_the_embedding_when_the_head_is_tied():
     assert present == {"embed_tokens", "norm"}
 
 
+def _stages(model, text_config, rank: int) -> set[str]:
+    """The modules with parameters that `rank` of 2 drops, outside the stack."""
+    name, _ = decoder_layers(model, text_config)
+    layer_range = stage_layer_range(text_config, stage(rank, 2))
+    drop_other_stages(model, name, layer_range, stage(rank, 2), False)
+    return {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, PPMissingLayer) and not n.startswith(name)
+    }
+
+
+def test_a_norm_declared_before_the_layers_runs_on_the_last_stage():
+    """OPT declares its final norm before its layers, one level down
+    (`decoder.layers`): where the forward reads it decides, not the declaration."""
+    config = small_config("opt", num_hidden_layers=4)
+    dropped = []
+    for rank in (0, 1):
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+        dropped.append(_stages(model, config, rank))
+    assert dropped == [
+        {"decoder.final_layer_norm"},
+        {"decoder.embed_tokens", "decoder.embed_positions"},
+    ]
+
+
+def test_a_vision_tower_and_the_decoder_embedding_stay_on_the_first_stage():
+    """A vision-language model's stack is `language_model.layers`: its norm runs on
+    the last stage only (at the end of every stage it would normalise what the next
+    one takes); the tower and projector (which vLLM runs on the first stage only)
+    and the text embedding stay on the first."""
+    import tiny_multimodal
+
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["llava"])
+    dropped = []
+    for rank in (0, 1):
+        with torch.device("meta"):
+            model = AutoModel.from_config(config)
+        dropped.append(_stages(model, config.text_config, rank))
+    assert dropped == [
+        {"language_model.norm"},
+        {"vision_tower", "multi_modal_projector", "language_model.embed_tokens"},
+    ]
+
+
 def test_single_stage_keeps_everything():
     kept, present, _ = built_on(0, 1)
     assert kept == [0, 1, 2, 3, 4] and present == {"embed_tokens", "norm"}
+
+
+# --- the engine --------------------------------------------------------------------
+
+E2E_IMPL = tiny.e2e_impl()
+
+PIPELINE_PARALLEL = ["llama", "olmoe", "gemma2"]
+"""A dense model; a mixture of experts (OLMoE: experts on vLLM's fused MoE, q/k norms
+over the whole projection width); sliding and full layers (Gemma 2: attention and
+final soft-caps, tied embeddings, so the last stage keeps the input embedding for its
+head). Aria (a vision tower before an MoE decoder) runs at PP=2 in
+`test_routed_by_vllm_034.py`."""
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("model_type", PIPELINE_PARALLEL)
+def test_pipeline_parallel_equals_transformers_and_one_stage(model_type):
+    """PP=2, compiled, a worker process per stage bound to its own core: the same
+    tokens and log-probabilities as Transformers and as PP=1; each stage attends
+    with its own half of the layers."""
+    run = tiny.check_pipeline_parallel(model_type, E2E_IMPL)
+    if E2E_IMPL == "project":
+        stages = [sorted(a["layer_name"] for a in w["attached"]) for w in run.probe]
+        assert stages == [
+            [f"model.layers.{i}.self_attn.attn" for i in layers]
+            for layers in ([0, 1], [2, 3])
+        ]

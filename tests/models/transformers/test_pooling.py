@@ -290,10 +290,7 @@ def test_multimodal_pooling_equals_transformers(name):
         path,
         {task: tiny_pooling.multimodal_task(name, requests)},
         backend=impl["backend"],
-        llm_kwargs=dict(
-            model_impl=impl["model_impl"],
-            max_model_len=tiny_multimodal.MAX_MODEL_LEN,
-        ),
+        llm_kwargs=dict(model_impl=impl["model_impl"]),
     )
     expected = tiny_pooling.multimodal_outputs(path, name, requests)
     gap = _gap(run.outputs[task], expected)

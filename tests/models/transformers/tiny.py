@@ -785,6 +785,7 @@ def run_engine(
     model_impl: str = "transformers",
     backend: str = "project",
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     max_tokens: int = MAX_TOKENS,
     probe: bool = False,
     llm_kwargs: dict[str, Any] | None = None,
@@ -797,13 +798,21 @@ def run_engine(
     """Start `vllm.LLM` in a subprocess, generate greedily with logprobs, return it.
 
     `backend` sets `VLLM_TRANSFORMERS_BACKEND` (`"project"` or `"stock"`); with
-    `tensor_parallel_size=2` each worker is bound to its own core. `probe` also runs
+    `tensor_parallel_size=2` each worker is bound to its own core, and so with
+    `pipeline_parallel_size=2` (`PIPELINE_PARALLEL`: compiled, a worker process per
+    stage). `probe` also runs
     `_probe` on the model inside each worker (`LLM.apply_model`); `kv_cache` reads
     each worker's KV cache spec (`_kv_cache_probe`). `extra_env` is added to the
     engine's environment (e.g. `VLLM_MLA_DISABLE=1`). `lora` is a PEFT adapter folder:
     the engine starts with `enable_lora=True` and every prompt runs with it.
     `spec_decode` also returns vLLM's speculative decoding counters (drafts, draft
     tokens, accepted tokens, accepted per position)."""
+    if pipeline_parallel_size > 1:
+        llm_kwargs = dict(
+            PIPELINE_PARALLEL,
+            pipeline_parallel_size=pipeline_parallel_size,
+            **(llm_kwargs or {}),
+        )
     spec = dict(
         model=str(path),
         prompt_token_ids=encode(path, prompts),
@@ -820,10 +829,9 @@ def run_engine(
     env["VLLM_TRANSFORMERS_BACKEND"] = backend
     env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if tensor_parallel_size > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            str(i) for i in range(tensor_parallel_size)
-        )
+    workers = tensor_parallel_size * pipeline_parallel_size
+    if workers > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(workers))
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parent), *filter(None, [env.get("PYTHONPATH")])]
     )
@@ -1377,6 +1385,28 @@ def check_tensor_parallel(model_type: str, impl: str) -> None:
     report(f"{model_type} ({impl}, TP=2) vs Transformers", tp2, gap)
 
 
+PIPELINE_PARALLEL: dict[str, Any] = dict(
+    distributed_executor_backend="mp", enforce_eager=False
+)
+"""What pipeline parallel takes on the CPU engine besides its size: worker processes
+(`mp`), and compiled: vLLM's runner allocates the buffer a later stage receives its
+hidden states in only while warming up the compiled model, so eager PP fails
+(`assert self.intermediate_tensors is not None`), for native models too."""
+
+
+def check_pipeline_parallel(model_type: str, impl: str) -> EngineRun:
+    """PP=2 (a compiled worker process per stage) equals Transformers, and PP=1
+    (this process's engine for the model, which the end-to-end tests share)."""
+    pp2 = shared_engine(model_type, impl, pipeline_parallel_size=2)
+    assert len(pp2.probe) == 2 and len({w["pid"] for w in pp2.probe}) == 2
+    assert all(worker["compiled"] for worker in pp2.probe)
+    atol = logprob_atol(model_type)
+    gap = compare(cached_reference(model_type), pp2.completions, atol)
+    compare(shared_engine(model_type, impl).completions, pp2.completions, 2 * atol)
+    report(f"{model_type} ({impl}, PP=2, compiled) vs Transformers", pp2, gap)
+    return pp2
+
+
 def report(what: str, run: EngineRun, gap: float) -> None:
     print(f"\n[e2e] {what}: {run.seconds:.1f} s, max |logprob gap| {gap:.2e}")
 
@@ -1400,20 +1430,24 @@ def e2e_impl() -> str:
     return impl
 
 
-_ENGINE_RUNS: dict[tuple[str, str, int], EngineRun | Exception] = {}
+_ENGINE_RUNS: dict[tuple[str, str, int, int], EngineRun | Exception] = {}
 
 
 def shared_engine(
-    model_type: str, impl: str, tensor_parallel_size: int = 1
+    model_type: str,
+    impl: str,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> EngineRun:
-    """One engine start per (model, implementation, TP) and process, shared by the
-    tests; a start that failed is not retried (its error is raised again)."""
-    key = (model_type, impl, tensor_parallel_size)
+    """One engine start per (model, implementation, TP, PP) and process, shared by
+    the tests; a start that failed is not retried (its error is raised again)."""
+    key = (model_type, impl, tensor_parallel_size, pipeline_parallel_size)
     if key not in _ENGINE_RUNS:
         try:
             _ENGINE_RUNS[key] = run_engine(
                 checkpoint(model_type),
                 tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
                 probe=True,
                 **IMPLS[impl],
             )

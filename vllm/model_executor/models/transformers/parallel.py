@@ -4,6 +4,7 @@
 
 (Tensor parallelism is per linear: the fusers and the model's TP plan decide it.)"""
 
+import ast
 from collections.abc import Collection
 
 from torch import nn
@@ -11,6 +12,7 @@ from transformers import PreTrainedConfig
 
 from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.distributed.utils import get_pp_indices
+from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.model_executor.models.utils import PPMissingLayer
 
 
@@ -62,6 +64,23 @@ def stage_layer_range(
     return range(start, end)
 
 
+def _first_reads(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Where `module`'s forward first reads each `self.<name>` (line, column)."""
+    source = forward_source(type(module))
+    if source is None:
+        return {}
+    reads: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(source.tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            where = (node.lineno, node.col_offset)
+            reads[node.attr] = min(reads.get(node.attr, where), where)
+    return reads
+
+
 def drop_other_stages(
     base_model: nn.Module,
     layers_name: str,
@@ -71,26 +90,40 @@ def drop_other_stages(
 ) -> None:
     """Replace what other pipeline stages own with `PPMissingLayer` (an identity).
 
-    The modules declared before the stack (embeddings) stay on the first stage, and on
-    the last one too when the LM head is tied to them; those after it (final norm) stay
-    on the last stage. Parameter-free modules (rotary embeddings) stay everywhere."""
+    At every level from the base model down to the stack (a vision-language model's
+    `language_model.layers`, OPT's `decoder.layers`), the modules that run before
+    the path to the stack (embeddings, a vision tower) stay on the first stage, the
+    input embedding on the last one too when the LM head is tied to it; those that
+    run after it (the final norm) stay on the last stage. What runs first is where
+    the level's forward first reads each module (OPT declares its final norm
+    before its layers), else the order they are declared in (a vision tower that
+    the forward reaches through a method). Parameter-free modules (rotary
+    embeddings) stay everywhere."""
     if pp_group.world_size == 1:
         return
     layers = base_model.get_submodule(layers_name)
     for index in range(len(layers)):
         if index not in layer_range:
             layers[index] = PPMissingLayer()
-    top = layers_name.split(".")[0]
-    names = [name for name, _ in base_model.named_children()]
-    for position, name in enumerate(names):
-        child = base_model.get_submodule(name)
-        if name == top or next(child.parameters(), None) is None:
-            continue
-        before_stack = position < names.index(top)
-        keep = (
-            (pp_group.is_first_rank or (tie_word_embeddings and pp_group.is_last_rank))
-            if before_stack
-            else pp_group.is_last_rank
-        )
-        if not keep:
-            setattr(base_model, name, PPMissingLayer())
+    embedding = base_model.get_input_embeddings()
+    path = layers_name.split(".")
+    for depth, on_path in enumerate(path):
+        holder = base_model.get_submodule(".".join(path[:depth]))
+        names = [name for name, _ in holder.named_children()]
+        reads = _first_reads(holder)
+        for name in names:
+            child = holder.get_submodule(name)
+            if name == on_path or next(child.parameters(), None) is None:
+                continue
+            after = (
+                reads[name] > reads[on_path]
+                if name in reads and on_path in reads
+                else names.index(name) > names.index(on_path)
+            )
+            if after:
+                keep = pp_group.is_last_rank
+            else:
+                tied = tie_word_embeddings and child is embedding
+                keep = pp_group.is_first_rank or (tied and pp_group.is_last_rank)
+            if not keep:
+                setattr(holder, name, PPMissingLayer())
