@@ -14,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from vllm.config import (
+    CacheConfig,
     DeviceConfig,
     LoadConfig,
     ModelConfig,
@@ -59,8 +60,19 @@ def build_backend(vllm_runtime: None, tmp_path: Path) -> Callable[..., nn.Module
         if served_config is not None:
             model_config.hf_config = served_config
             model_config.hf_text_config = served_config.get_text_config()
+        # The model-wide window as vLLM's engine sets it (`EngineArgs`): where the
+        # config has no `layer_types`, or only sliding ones.
+        layer_types = getattr(model_config.hf_text_config, "layer_types", None)
+        every_layer_slides = layer_types is None or all(
+            t == "sliding_attention" for t in layer_types
+        )
         vllm_config = VllmConfig(
             model_config=model_config,
+            cache_config=CacheConfig(
+                sliding_window=model_config.get_sliding_window()
+                if every_layer_slides
+                else None
+            ),
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),
         )

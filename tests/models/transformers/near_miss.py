@@ -7,6 +7,7 @@ Each `NearMiss` says what must become of it: declined by its fuser with a reason
 part of it given), refused when vLLM's attention is built for it (an argument it
 cannot honour), or fused and computing the same (`declined` and `refused` None)."""
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.activations import ACT2FN
+from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.phimoe.modeling_phimoe import PhimoeModel
 
 HIDDEN, HEAD, HEADS, KV_HEADS = 32, 8, 4, 2
 Q, KV = HEADS * HEAD, KV_HEADS * HEAD
@@ -439,6 +442,48 @@ class TwoInterfaceCalls(Interface):
         interface = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
         first, _ = interface(self, q, k, v, None)
         return interface(self, first, k, v, None)
+
+
+# --- the mask the model builds (read by `masks.py`, checked against vLLM's window) --
+
+
+class NarrowMask(PhimoeModel):
+    """Its mask slides over half the window its config names (and vLLM would take
+    for every layer): it hands the mask function a config copy."""
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        hidden = self.embed_tokens(input_ids)
+        narrow = copy.copy(self.config)
+        narrow.sliding_window = self.config.sliding_window // 2
+        mask = create_sliding_window_causal_mask(
+            config=narrow,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden, attention_mask=mask, position_embeddings=position_embeddings
+            )
+        return self.norm(hidden)
+
+
+class OwnMask(PhimoeModel):
+    """Builds its mask itself, with torch, not with Transformers' mask functions:
+    which window it applies cannot be read."""
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        hidden = self.embed_tokens(input_ids)
+        tokens = hidden.shape[1]
+        mask = torch.ones(tokens, tokens, device=hidden.device).tril().triu(-3)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden, attention_mask=mask, position_embeddings=position_embeddings
+            )
+        return self.norm(hidden)
 
 
 @dataclass(frozen=True)

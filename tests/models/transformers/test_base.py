@@ -43,6 +43,37 @@ def test_sliding_window_and_soft_cap_follow_the_config(build_backend):
     assert caps == {30.0}
 
 
+def test_a_window_applied_by_the_models_mask_is_the_one_vllm_applies_and_reported(
+    build_backend,
+):
+    # PhiMoE passes its attention no window: its mask slides whenever the config
+    # sets `sliding_window`, and vLLM falls back to that model-wide window.
+    model = build_backend(
+        small_config("phimoe", num_hidden_layers=2, sliding_window=8),
+        backend_class="TransformersMoEForCausalLM",
+    )
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [8, 8]
+    for attention in model.report.attention:
+        assert attention.sliding_window == 8
+        assert attention.mask.startswith(
+            "create_sliding_window_causal_mask (config.sliding_window=8) at "
+        )
+        assert "modeling_phimoe.py:" in attention.mask
+
+
+def test_a_config_window_the_models_mask_does_not_apply_is_refused(build_backend):
+    # Llama's mask applies no window; vLLM would slide every layer over the config's.
+    with pytest.raises(ValueError) as error:
+        build_backend(small_config("llama", num_hidden_layers=2, sliding_window=8))
+    message = str(error.value)
+    assert message.startswith("model.layers.0.self_attn (LlamaAttention, layer 0): ")
+    assert "vLLM's attention would apply a sliding window of 8" in message
+    assert "the model's mask applies no window there (create_causal_mask at " in message
+    assert "modeling_llama.py:" in message
+    assert "disable_sliding_window=True" in message
+
+
 def test_decoder_layer_without_dispatch_is_an_error_naming_module_and_layer(
     build_backend,
 ):

@@ -6,7 +6,7 @@ vLLM's `Attention`, `"vllm_mla"` for its latent attention, `MLAAttention`."""
 
 import ast
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING
@@ -34,6 +34,7 @@ from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,
 )
+from vllm.model_executor.models.transformers.masks import LayerMask, Unread
 from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.model_executor.models.utils import maybe_prefix
 
@@ -346,18 +347,80 @@ def _sinks(site: AttentionSite, num_heads: int, tp_rank: int) -> torch.Tensor | 
     return sinks
 
 
+def sliding_window(
+    site: AttentionSite,
+    mask: LayerMask | Unread | None,
+    vllm_config: "VllmConfig",
+) -> tuple[int | None, str]:
+    """The window vLLM's attention is built with for `site`: the one the model's
+    mask applies there (`masks.py`), which is what Transformers computes with; and
+    that mask, described. A construction error naming the module, the layer and the
+    mask where vLLM's attention cannot apply it.
+
+    vLLM's attention takes the window the site gives it (its call's
+    `sliding_window=`, or `config.layer_types`), else the config's model-wide
+    `sliding_window` (vLLM's engine sets that where the config has no `layer_types`,
+    or only sliding ones), so a mask that applies no window cannot be honoured
+    where either is set, nor one that applies another window than the call's, nor
+    attention in chunks. A mask that cannot be read is refused where vLLM would
+    slide, and served (as it always was) where vLLM would not."""
+    given = site.needs.sliding_window
+    model_wide = vllm_config.cache_config.sliding_window
+    if given is not None:
+        window = given
+        source = "the window its attention call or config.layer_types gives it"
+    else:
+        window, source = model_wide, (
+            f"the config's model-wide sliding_window={model_wide}, which vLLM's "
+            "attention applies to every layer given no window of its own"
+        )
+    hint = ""
+    if isinstance(mask, LayerMask) and not mask.chunked:
+        if mask.window is not None and given in (None, mask.window):
+            return mask.window, mask.made_by
+        if mask.window is None and window is None:
+            return None, mask.made_by
+        applied = (
+            "no window" if mask.window is None else f"a sliding window of {mask.window}"
+        )
+        problem = f"the model's mask applies {applied} there ({mask.made_by})"
+        if mask.window is None and given is None:
+            hint = (
+                " Its config sets a `sliding_window` its mask does not apply: serve "
+                "it with disable_sliding_window=True."
+            )
+    elif isinstance(mask, LayerMask):
+        problem = f"the model's mask applies attention in chunks there ({mask.made_by})"
+    else:
+        why = "no decoder layer holds it" if mask is None else mask.reason
+        if window is None:
+            return None, f"not read: {why}"
+        problem = f"the window the model's mask applies cannot be read ({why})"
+    vllm_applies = (
+        "no window" if window is None else f"a sliding window of {window}"
+    )
+    raise ValueError(
+        f"{site.qualname} ({type(site.module).__name__}, layer {site.layer_index}): "
+        f"vLLM's attention would apply {vllm_applies} ({source}), but {problem}. "
+        "The Transformers modeling backend cannot serve this layer as Transformers "
+        f"computes it.{hint}"
+    )
+
+
 def attach_attention(
     sites: dict[int, AttentionSite],
-    layer_indices: range,
+    layer_indices: Sequence[int],
     vllm_config: "VllmConfig",
     prefix: str,
     layer_names: dict[int, str],
     report: FusionReport,
     why_not_latent: dict[str, str],
+    layer_masks: dict[str, LayerMask | Unread],
 ) -> None:
     """Give each site in `layer_indices` a vLLM `Attention` as `attn` (an
     `MLAAttention` where a fuser made it latent attention), built with the heads its
-    module feeds on this rank and every argument of its call honoured.
+    module feeds on this rank, every argument of its call honoured and the window
+    the model's mask applies (`layer_masks`: by decoder layer name, `masks.py`).
 
     Every layer in `layer_indices` must have a site: a layer vLLM cannot dispatch is a
     construction error naming that layer (`layer_names` says which module it is). So
@@ -379,6 +442,15 @@ def attach_attention(
         needs = site.needs
         # A draft model is built under the prefix `draft_model`.
         layer_prefix = maybe_prefix(prefix, f"{site.qualname}.{ATTN_ATTR}")
+        mask = next(
+            (
+                mask
+                for name, mask in layer_masks.items()
+                if site.qualname.startswith(f"{name}.")
+            ),
+            None,
+        )
+        window, masked_by = sliding_window(site, mask, vllm_config)
         attn: Attention | MLAAttention
         if model_config.use_mla:
             if needs.latent is None:
@@ -409,7 +481,7 @@ def attach_attention(
                     cache_config=vllm_config.cache_config,
                     quant_config=vllm_config.quant_config,
                     logits_soft_cap=needs.logits_soft_cap,
-                    per_layer_sliding_window=needs.sliding_window,
+                    per_layer_sliding_window=window,
                     prefix=layer_prefix,
                     **extra,
                 )
@@ -427,22 +499,24 @@ def attach_attention(
                 module=site.qualname,
                 module_class=type(site.module).__name__,
                 scale=needs.scale,
-                sliding_window=needs.sliding_window,
+                sliding_window=window,
                 soft_cap=needs.logits_soft_cap,
                 mla=isinstance(attn, MLAAttention),
                 causal=needs.causal,
+                mask=masked_by,
             )
         )
         logger.info(
-            "Attention: %s (%s) -> %s %s (layer %d, scale %.6g, sliding window %s, "
-            "soft-cap %s, sinks %s, %s)",
+            "Attention: %s (%s) -> %s %s (layer %d, scale %.6g, sliding window %s "
+            "(the model's mask: %s), soft-cap %s, sinks %s, %s)",
             site.qualname,
             type(site.module).__name__,
             ATTN_ATTR,
             type(attn).__name__,
             index,
             needs.scale,
-            needs.sliding_window,
+            window,
+            masked_by,
             needs.logits_soft_cap,
             needs.sinks,
             "causal" if needs.causal else "encoder-only",

@@ -57,6 +57,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
 from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
     decoder_layers,
@@ -373,6 +374,12 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.pp_group,
             self.tie_word_embeddings,
         )
+        # Read while the model is still Transformers' own: the masks it would apply.
+        owner = self.model.get_submodule(layers_name.rpartition(".")[0])
+        layer_masks = {
+            f"{BASE}.{layers_name}.{index}": mask
+            for index, mask in read_layer_masks(owner, layers).items()
+        }
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
         self.plan = Fusers(
@@ -408,6 +415,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             layer_names,
             self.report,
             {site.qualname: self.plan.why_not(site.module) for site in sites},
+            layer_masks,
         )
         return hf_model
 

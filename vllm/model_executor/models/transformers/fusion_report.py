@@ -46,6 +46,9 @@ class AttentionReport:
     mla: bool
     causal: bool = True
     """False for encoder-only (bidirectional) attention, which keeps no KV cache."""
+    mask: str = ""
+    """What made the mask the model applies to this layer (`masks.py`), or why it
+    was not read."""
 
 
 @dataclass

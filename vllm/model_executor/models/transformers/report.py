@@ -266,7 +266,8 @@ def render(report: FusionReport, style: Style) -> str:
             a.layer_index,
             f"{a.module.replace(f'.{a.layer_index}.', '.{i}.')} ({a.module_class}) -> "
             f"{_attention_class(a)}, scale {a.scale:.6g}, "
-            f"sliding window {a.sliding_window}, soft-cap {a.soft_cap}",
+            f"sliding window {a.sliding_window} (the model's mask: {a.mask}), "
+            f"soft-cap {a.soft_cap}",
         )
         for a in sorted(report.attention, key=lambda a: a.layer_index)
     ):
