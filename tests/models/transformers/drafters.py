@@ -16,7 +16,9 @@ from pathlib import Path
 AUX_LAYERS = (0, 2, 4)
 """The target layers an EAGLE-3 drafter here reads (of 4): the embeddings, a middle
 layer and the last layer's output. vLLM's default, (2, N // 2, N - 3), is (2, 2, 1)
-for 4 layers, two distinct layers for a drafter that expects three."""
+for 4 layers, two distinct layers for a drafter that expects three. vLLM's stock
+backend cannot hand over state 0 (`KeyError: -1` at load): `layers=(1, 2, 4)`
+compares with it."""
 
 
 def _config(target: dict, **extra) -> dict:
@@ -65,8 +67,15 @@ def _layer(prefix: str, hidden: int, inputs: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def build(target: Path, method: str, out: Path, seed: int = 0) -> Path:
-    """An EAGLE (`method="eagle"`) or EAGLE-3 (`"eagle3"`) drafter for `target`."""
+def build(
+    target: Path,
+    method: str,
+    out: Path,
+    seed: int = 0,
+    layers: tuple[int, ...] = AUX_LAYERS,
+) -> Path:
+    """An EAGLE (`method="eagle"`) or EAGLE-3 (`"eagle3"`, reading the target's
+    states at `layers`) drafter for `target`."""
     from safetensors.torch import save_file
 
     config = json.loads((target / "config.json").read_text())
@@ -80,10 +89,10 @@ def build(target: Path, method: str, out: Path, seed: int = 0) -> Path:
         }
         draft = _config(config)
     elif method == "eagle3":
-        # fc(the target's states at AUX_LAYERS), then one layer over the normed
+        # fc(the target's states at `layers`), then one layer over the normed
         # [embedding, state], a final norm and the drafter's own LM head.
         shapes = {
-            "fc.weight": (hidden, len(AUX_LAYERS) * hidden),
+            "fc.weight": (hidden, len(layers) * hidden),
             **_layer("midlayer", hidden, 2 * hidden),
             "midlayer.input_layernorm.weight": (hidden,),
             "midlayer.hidden_norm.weight": (hidden,),
@@ -93,7 +102,7 @@ def build(target: Path, method: str, out: Path, seed: int = 0) -> Path:
         draft = _config(
             config,
             draft_vocab_size=config["vocab_size"],
-            eagle_config={"eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS)},
+            eagle_config={"eagle_aux_hidden_state_layer_ids": list(layers)},
         )
     else:
         raise ValueError(f"no tiny drafter for method {method!r}")

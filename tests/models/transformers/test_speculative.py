@@ -133,6 +133,8 @@ def speculate(
             enforce_eager=not compiled,
         ),
         spec_decode=True,
+        # A compiled start takes the target's and the drafter's compile.
+        timeout=1200 if compiled else 600,
         **tiny.IMPLS[IMPL],
     )
     gap = tiny.compare(

@@ -29,7 +29,6 @@ from vllm.model_executor.models.transformers.base import Base
 from vllm.model_executor.models.transformers.eagle import (
     HiddenStateTaps,
     default_eagle3_layers,
-    eagle3_layers_in_config,
 )
 from vllm.model_executor.models.transformers.loading import base_model_of
 from vllm.model_executor.models.transformers.rewriting import forward_source
@@ -186,14 +185,6 @@ class CausalMixin(VllmModelForTextGeneration, SupportsEagle, SupportsEagle3, Bas
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = ""):
         Base.__init__(self, vllm_config=vllm_config, prefix=prefix)
         self.aux_hidden_states: HiddenStateTaps | None = None
-        if self.pp_group.world_size > 1:
-            # vLLM's V1 runner asks only the last stage (the drafter's); the others
-            # must tap their layers too, so every stage reads the drafter's config.
-            layers = eagle3_layers_in_config(
-                vllm_config.speculative_config, self.text_config.num_hidden_layers
-            )
-            if layers:
-                self.set_aux_hidden_state_layers(layers)
         if not self.pp_group.is_last_rank:
             self.lm_head = PPMissingLayer()
             return

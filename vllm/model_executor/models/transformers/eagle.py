@@ -21,10 +21,8 @@ Pipeline parallel: each stage taps the states its own layers produce, `(start, e
 and the first stage also state 0, as vLLM's native models split them. A stage hands
 the states it took and those it received on to the next one in its intermediate
 tensors, under vLLM's keys (`aux_hidden_states_<i>`, `i` the state's place among the
-layers asked for), and the last stage returns them all, in order. vLLM 0.32's V1
-model runner keeps the drafter on the last stage and asks only that stage for the
-layers; the other stages take them from the speculative config at construction, as
-the runner does (`eagle3_layers_in_config`)."""
+layers asked for), and the last stage returns them all, in order: the protocol of
+vLLM's `EagleModelMixin`, for a runner that asks every stage for the layers."""
 
 from collections.abc import Sequence
 
@@ -42,23 +40,6 @@ AUX_KEY = EagleModelMixin.AUX_HIDDEN_STATE_KEY
 def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
     """vLLM's default for a target that names none (`SupportsEagle3`)."""
     return (2, num_layers // 2, num_layers - 3)
-
-
-def eagle3_layers_in_config(speculative_config, num_layers: int) -> tuple[int, ...]:
-    """The layers an EAGLE-3 drafter reads, where vLLM's model runner finds them: the
-    drafter config's `eagle_aux_hidden_state_layer_ids` (also inside its
-    `eagle_config`), else the default. Empty where there is no EAGLE-3 drafter, or
-    one that reads only the last hidden states (`use_aux_hidden_state: false`)."""
-    if speculative_config is None or speculative_config.method != "eagle3":
-        return ()
-    draft = speculative_config.draft_model_config.hf_config
-    eagle_config = getattr(draft, "eagle_config", None) or {}
-    if not eagle_config.get("use_aux_hidden_state", True):
-        return ()
-    layers = getattr(draft, "eagle_aux_hidden_state_layer_ids", None) or (
-        eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    )
-    return tuple(layers) if layers else default_eagle3_layers(num_layers)
 
 
 class Tap(nn.Module):
