@@ -237,6 +237,14 @@ ARCHS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=12.0,
         tie_word_embeddings=True,
     ),
+    # --- what vLLM 0.34 also routes to this backend by default (test_routed_034.py) ---
+    # Gemma: embeddings scaled by sqrt(hidden) in their own module, RMSNorm weights
+    # as (1 + w), a GELU-tanh GLU, tied embeddings.
+    "gemma": dict(head_dim=32, tie_word_embeddings=True),
+    # StableLM 2 (12B's layout): rotary on a quarter of each head, LayerNorm, q/k/v
+    # biases, q and k LayerNorms per head (one module per head), attention and MLP
+    # in parallel from one norm.
+    "stablelm": dict(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True),
     # --- beyond vLLM's default routes (test_coverage.py) ---
     # Granite: Llama with four multipliers, all away from their default of 1: the
     # input embeddings, each residual branch, the softmax scale (not head_dim**-0.5)
@@ -473,6 +481,8 @@ INITS: dict[str, Init] = {
     ),
     "smollm3": Init(head_scale=4.0, final_norm="model.norm"),
     "starcoder2": Init(head_scale=4.0, final_norm="model.norm"),
+    # As Gemma2.
+    "gemma": Init(std=0.4, perturb=1.0, embed_scale=0.2, head_scale=1.0),
     # As Gemma2, but without post-norms the embeddings need more weight to give
     # well-separated logits.
     "vaultgemma": Init(std=0.4, perturb=1.0, embed_scale=0.4, head_scale=1.0),

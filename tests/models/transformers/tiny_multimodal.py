@@ -238,6 +238,10 @@ RECIPES: dict[str, Recipe] = {
         "<IMG_CONTEXT>",
         video_processor=dict(video_processor_type="InternVLVideoProcessor"),
     ),
+    # Aria: an Idefics3 vision tower on pictures padded to 980 px, a projector whose
+    # learned queries cross-attend to the patches (196 patches of 70 px -> 8 image
+    # tokens here), a decoder with experts and a shared MLP (`aria_text`).
+    "aria": Recipe("aria", ("<|img|>",), "<|img|>"),
     # VibeVoiceAsr (audio in, text out): two convolutional audio encoders (acoustic,
     # semantic) whose latents a projector sums, one audio token per 3200 samples at
     # 24 kHz, a Qwen2 decoder; the processor expands `<|box_start|>`.
@@ -375,6 +379,11 @@ LLAVA_NEXT_GRIDS = [[32, 64], [64, 32], [64, 64]]
 
 ONEVISION_GRIDS = [[32, 32], [32, 64], [64, 32], [64, 64]]
 """LLaVA-OneVision's tile grids (height, width) in pixels."""
+
+ARIA_IMAGE_SIZE = 980
+"""Aria's processor resizes every picture to 980 px (its image processor takes 490
+too, but the processor always asks for 980): patches of 70 px keep the tiny tower
+at 14 x 14 patches."""
 
 
 def config(recipe: Recipe):
@@ -595,6 +604,32 @@ def config(recipe: Recipe):
             eoi_token_index=tid("<end_of_image>"),
             initializer_range=0.1,
         )
+    if recipe.model_type == "aria":
+        return AutoConfig.for_model(
+            "aria",
+            text_config=dict(
+                text,
+                model_type="aria_text",
+                head_dim=32,
+                moe_num_experts=8,
+                moe_topk=2,
+                intermediate_size=64,
+                moe_num_shared_experts=1,
+            ),
+            vision_config=dict(
+                model_type="idefics3_vision",
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=ARIA_IMAGE_SIZE,
+                patch_size=70,
+                initializer_range=0.1,
+            ),
+            projector_patch_to_query_dict={(ARIA_IMAGE_SIZE // 70) ** 2: 8},
+            image_token_index=tid("<|img|>"),
+            initializer_range=0.1,
+        )
     if recipe.model_type == "emu3":
         return AutoConfig.for_model(
             "emu3",
@@ -632,6 +667,7 @@ def config(recipe: Recipe):
 
 
 TOKENIZER_NAMES: dict[str, dict[str, str]] = {
+    "aria": {"image_token": "<|img|>"},
     "gemma3": {
         "boi_token": "<start_of_image>",
         "eoi_token": "<end_of_image>",
@@ -713,6 +749,7 @@ def processor_class(recipe: Recipe):
         aya_vision=t.AyaVisionProcessor,
         internvl=t.InternVLProcessor,
         gemma3=t.Gemma3Processor,
+        aria=t.AriaProcessor,
         emu3=t.Emu3Processor,
         qwen2_vl=t.Qwen2VLProcessor,
         qwen2_5_vl=t.Qwen2_5_VLProcessor,
@@ -828,6 +865,14 @@ def make_processor(recipe: Recipe, tokenizer):
             image_processor=images,
             tokenizer=tokenizer,
             image_seq_length=4,
+            chat_template=template,
+        )
+    if recipe.model_type == "aria":
+        images = t.AriaImageProcessorPil(max_image_size=ARIA_IMAGE_SIZE)
+        return t.AriaProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            size_conversion={ARIA_IMAGE_SIZE: 8},
             chat_template=template,
         )
     if recipe.model_type == "emu3":
@@ -1060,11 +1105,12 @@ def run_engine(
     llm_kwargs: dict[str, Any] | None = None,
     timeout: float = 600,
     lora: Path | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> MultiModalRun:
     """Start `vllm.LLM` on the checkpoint in a subprocess and generate greedily for
     each request (its text through the engine's tokenizer, its images as PIL, its
     audio clips as (waveform, sample rate)); with the PEFT adapter `lora` on every
-    request where given."""
+    request where given. `extra_env` is added to the engine's environment."""
     recipe = RECIPES[name]
     spec = dict(
         model=str(path),
@@ -1086,6 +1132,7 @@ def run_engine(
     here = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     env.pop("PYTEST_CURRENT_TEST", None)
+    env.update(extra_env or {})
     out, seconds, log = tiny.run_engine_script(__file__, spec, env, timeout)
     return MultiModalRun(
         [Completion(**c) for c in out["completions"]],
