@@ -194,6 +194,46 @@ def test_a_causal_lm_converted_to_an_embedder_loads_its_checkpoint(build_backend
     assert type(model.lm_head).__name__ == "StageMissingLayer"
 
 
+def test_an_embedder_loads_a_bert_checkpoint_without_its_pooler(
+    vllm_runtime, tmp_path, caplog
+):
+    """BERT's pooler, whose output embeddings never pool, may be absent from the
+    checkpoint: the model loads, and the log names the tensors it did not find once.
+    Any other missing tensor is still refused (`test_loading`)."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.models.transformers import TransformersEmbeddingModel
+    from vllm.model_executor.models.transformers import loading
+
+    folder = tmp_path / "bert"
+    shutil.copytree(tiny_pooling.build("bert"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    kept = {n: t for n, t in tensors.items() if not n.startswith("pooler.")}
+    assert len(kept) == len(tensors) - 2  # the pooler's dense weight and bias
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    model_config = ModelConfig(
+        model=str(folder), model_impl="transformers", dtype="float32", runner="pooling"
+    )
+    vllm_config = VllmConfig(model_config=model_config, load_config=LoadConfig())
+    with (
+        caplog.at_level(logging.INFO, logger=loading.__name__),
+        set_current_vllm_config(vllm_config),
+    ):
+        model = TransformersEmbeddingModel(vllm_config=vllm_config)
+        get_model_loader(vllm_config.load_config).load_weights(model, model_config)
+    logged = [r.getMessage() for r in caplog.records]
+    assert [line for line in logged if "model.pooler" in line] == [
+        "The checkpoint has no tensor for 'model.pooler.dense.bias', "
+        "'model.pooler.dense.weight' (the base model's pooler: embeddings pool its "
+        "hidden states, not its pooled output): not needed, left at zero."
+    ]
+
+
 # --- the CPU engine ---------------------------------------------------------------
 
 

@@ -200,6 +200,11 @@ class CheckpointLayout:
     decoder_layers: tuple[str, int] | None = None
     """The decoder stack's name under the base model and how many layers it has:
     checkpoint layers past them are multi-token-prediction layers."""
+    unused: dict[str, str] = field(default_factory=dict)
+    """Module name (`model.pooler`) -> why the model never uses its output: a
+    checkpoint may lack its parameters (BERT's pooler, saved without it, under an
+    embedding model)."""
+
     @classmethod
     def of(cls, hf_model: PreTrainedModel) -> "CheckpointLayout":
         output = hf_model.get_output_embeddings()
@@ -229,6 +234,11 @@ class CheckpointLayout:
     def add_renamed(self, renamed: dict[str, str]) -> None:
         """Load the tensors under some checkpoint prefixes into other layers."""
         self.renamed.update(renamed)
+
+    def add_unused(self, module: str, reason: str) -> None:
+        """Let a checkpoint lack the parameters of `module`, whose output the
+        model never uses (`reason` says why, for the log)."""
+        self.unused[module] = reason
 
     def mapper(self) -> WeightsMapper:
         """Checkpoint names -> the backend's parameter names (`hf_to_vllm_mapper`)."""
@@ -409,11 +419,25 @@ class CheckpointLayout:
         if every_parameter:
             named = dict(model.named_parameters(remove_duplicate=False))
             filled_ids = {id(named[n]) for n in loaded if n in named}
-            missing += [
+            unfilled = [
                 name
                 for name, param in model.named_parameters()
                 if id(param) not in filled_ids
             ]
+            for module, reason in self.unused.items():
+                absent = [n for n in unfilled if n.startswith(f"{module}.")]
+                if not absent:
+                    continue
+                logger.info(
+                    "The checkpoint has no tensor for %s (%s): not needed, left at "
+                    "zero.",
+                    _listed(absent),
+                    reason,
+                )
+                for name in absent:
+                    named[name].data.zero_()
+                unfilled = [n for n in unfilled if n not in absent]
+            missing += unfilled
         if missing:
             raise ValueError(
                 f"The checkpoint has no tensor for {_listed(missing)} (as this "

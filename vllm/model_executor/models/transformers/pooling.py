@@ -33,6 +33,7 @@ from vllm.model_executor.layers.pooler.seqwise.methods import get_seq_pooling_me
 from vllm.model_executor.models.interfaces import SupportsCrossEncoding
 from vllm.model_executor.models.interfaces_base import VllmModelForPooling
 from vllm.model_executor.models.transformers.base import Base
+from vllm.model_executor.models.transformers.loading import BASE
 from vllm.model_executor.models.transformers.rewriting import forward_source
 from vllm.sequence import IntermediateTensors
 
@@ -113,6 +114,12 @@ class EmbeddingMixin(PoolingMixin):
 
     def build(self, vllm_config: "VllmConfig", prefix: str) -> PreTrainedModel:
         hf_model = super().build(vllm_config, prefix)
+        if isinstance(getattr(self.model, "pooler", None), nn.Module):
+            self.layout.add_unused(
+                f"{BASE}.pooler",
+                "the base model's pooler: embeddings pool its hidden states, not "
+                "its pooled output",
+            )
         pooler_config = vllm_config.model_config.pooler_config
         normalized = "normalized" if pooler_config.use_activation else "not normalized"
         self.report.pooler = f"{pooler_config.seq_pooling_type} pooling, {normalized}"

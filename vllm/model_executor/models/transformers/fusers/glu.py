@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Self
 import torch.nn.functional as F
 from torch import fx, nn
 
-from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import linears
+from vllm.model_executor.models.transformers.layer_classes import act_and_mul
 from vllm.model_executor.models.transformers import rewriting
 from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
@@ -348,7 +348,7 @@ class GLUFuser(StackedFuser):
         for shard in self.shards:
             delattr(module, shard)
         setattr(module, self.fused_name, linears.load_as_stored(merged, gate, name))
-        setattr(module, self.activation_name, get_act_and_mul_fn(self.activation))
+        setattr(module, self.activation_name, act_and_mul(self.activation))
         row_parallel(module, self.down_name, prefix, vllm_config)
 
     def info(self, name: str, module: nn.Module) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 from torch import fx, nn
 
-from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+from vllm.model_executor.models.transformers.layer_classes import layer_class
 from vllm.model_executor.models.transformers import fx_utils
 from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser
@@ -348,13 +348,14 @@ class RMSNormFuser(BaseFuser):
             if self.eps_attribute
             else self.eps
         )
+        RMSNorm = layer_class("layernorm", "RMSNorm")
         if not self.has_weight:
             # Normalises whatever width it is given (weightless norms store none:
             # Gemma 3n's drops its `dim`); the width only sizes a weight never read.
             return RMSNorm(0, eps, has_weight=False)
         hidden_size = module.weight.shape[0]
         if self.gemma:
-            return GemmaRMSNorm(hidden_size, eps)
+            return layer_class("layernorm", "GemmaRMSNorm")(hidden_size, eps)
         # Built under the model's dtype: a weight applied in float32 is kept at least
         # that precise, so it multiplies as Transformers' promotion does, or exactly
         # float32 where the forward casts it so.
