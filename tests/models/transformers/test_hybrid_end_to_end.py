@@ -29,11 +29,12 @@ def reference() -> tuple[tiny.Completion, ...]:
 
 
 @functools.cache
-def engine(impl: str) -> tiny.EngineRun:
+def engine(impl: str, tensor_parallel_size: int = 1) -> tiny.EngineRun:
     return tiny.run_engine(
         tiny.checkpoint(MODEL),
         PROMPTS,
         probe=impl == "project",
+        tensor_parallel_size=tensor_parallel_size,
         llm_kwargs=BATCHING,
         **tiny.IMPLS[impl],
     )
@@ -63,6 +64,15 @@ def test_vllms_native_model_answers_the_same():
     gap = tiny.compare(reference(), native.completions, atol)
     tiny.report(f"{MODEL} (native, chunked prefill) vs Transformers", native, gap)
     tiny.compare(native.completions, engine("project").completions, 2 * atol)
+
+
+def test_tensor_parallel_splits_the_mixers_heads_and_equals_transformers():
+    # One B/C group for 8 heads: vLLM's loaders give each rank 4 heads and a copy
+    # of the group; the gated norm's mean runs over both ranks.
+    tp2 = engine("project", 2)
+    assert len({worker["pid"] for worker in tp2.probe}) == 2
+    gap = tiny.compare(reference(), tp2.completions, tiny.logprob_atol(MODEL))
+    tiny.report(f"{MODEL} (project, TP=2) vs Transformers", tp2, gap)
 
 
 def test_vllms_stock_backend_refuses_it():
