@@ -957,12 +957,8 @@ def greedy(
     processor,
     recipe: Recipe,
     requests: list[Request],
-    causal_images: bool = False,
 ) -> list[Completion]:
-    """Transformers' greedy `generate` on each request (its processor's inputs).
-    `causal_images`
-    drops the token types with which Gemma 3 lets an image's tokens attend to each
-    other both ways."""
+    """Transformers' greedy `generate` on each request (its processor's inputs)."""
     import torch
 
     completions = []
@@ -973,8 +969,6 @@ def greedy(
         if request.audios:
             media["audio"] = [a.waveform() for a in request.audios]
         inputs = processor(text=request.prompt(recipe), return_tensors="pt", **media)
-        if causal_images:
-            inputs.pop("token_type_ids", None)
         with torch.no_grad():
             out = model.generate(
                 **inputs,
@@ -1054,12 +1048,10 @@ def reference(
     path: Path,
     name: str,
     requests: list[Request],
-    causal_images: bool = False,
     lora: Path | None = None,
 ) -> list[Completion]:
     """Transformers' greedy generation in float32 (eager attention) from the saved
-    checkpoint and processor (`causal_images`: see `greedy`), with the PEFT adapter
-    `lora` applied where given."""
+    checkpoint and processor, with the PEFT adapter `lora` applied where given."""
     import torch
     from transformers import AutoModelForMultimodalLM, AutoProcessor
 
@@ -1075,7 +1067,7 @@ def reference(
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(lora)).eval()
-    completions = greedy(model, processor, recipe, requests, causal_images)
+    completions = greedy(model, processor, recipe, requests)
     tokenizer = getattr(processor, "tokenizer", processor)
     for c in completions:
         c.text = tiny.continuation_text(tokenizer, c.prompt_ids, c.token_ids)

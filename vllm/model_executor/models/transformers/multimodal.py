@@ -515,7 +515,10 @@ class MultiModalProcessor(
             text = tokenizer.decode(ids, skip_special_tokens=False)
             return tokenizer.encode(text, add_special_tokens=False)
 
-        if as_text(token_ids) != token_ids or (merged := as_text(new_ids)) == new_ids:
+        if as_text(token_ids) != token_ids:
+            return new_ids, placeholders
+        merged = as_text(new_ids)
+        if merged == new_ids:
             return new_ids, placeholders
         special = set(tokenizer.all_special_ids) | {self.info.image_token_id()}
         found: dict[str, list[PlaceholderFeaturesInfo]] = {}
@@ -654,8 +657,6 @@ class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
         ) == 0
         for name, why in self.kept.items():
             logger.info("Kept with Transformers: %s.%s (%s)", BASE, name, why)
-        if not self.text_only:
-            check_image_attention(hf_model, self.model, BASE)
         if self.text_only:
             # Dropped while still on `meta`: never allocated, and their checkpoint
             # tensors are skipped at load.
@@ -664,6 +665,8 @@ class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
                 setattr(self.model, name, StageMissingLayer("vision tower", module))
                 self.report.not_built[name] = "text only: limit_mm_per_prompt image 0"
                 logger.info("Not built: %s.%s (text only)", BASE, name)
+        else:
+            check_image_attention(hf_model, self.model, BASE)
         return hf_model
 
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
