@@ -24,14 +24,16 @@ BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4)
 
 
 @functools.cache
-def reference() -> tuple[tiny.Completion, ...]:
-    return tuple(tiny.reference(tiny.checkpoint(MODEL), PROMPTS))
+def reference(model: str = MODEL) -> tuple[tiny.Completion, ...]:
+    return tuple(tiny.reference(tiny.checkpoint(model), PROMPTS))
 
 
 @functools.cache
-def engine(impl: str, tensor_parallel_size: int = 1) -> tiny.EngineRun:
+def engine(
+    impl: str, tensor_parallel_size: int = 1, model: str = MODEL
+) -> tiny.EngineRun:
     return tiny.run_engine(
-        tiny.checkpoint(MODEL),
+        tiny.checkpoint(model),
         PROMPTS,
         probe=impl == "project",
         tensor_parallel_size=tensor_parallel_size,
@@ -73,6 +75,16 @@ def test_tensor_parallel_splits_the_mixers_heads_and_equals_transformers():
     assert len({worker["pid"] for worker in tp2.probe}) == 2
     gap = tiny.compare(reference(), tp2.completions, tiny.logprob_atol(MODEL))
     tiny.report(f"{MODEL} (project, TP=2) vs Transformers", tp2, gap)
+
+
+def test_grouped_mixers_with_a_norm_over_the_whole_width_equal_transformers():
+    # Bamba's mixers hold 2 B/C groups and normalise y * silu(z) over the whole
+    # width: the probe finds that, and the layer is built with a norm of one group
+    # (vLLM's default would take the B/C groups').
+    run = engine("project", model="bamba")
+    gap = tiny.compare(reference("bamba"), run.completions, tiny.logprob_atol("bamba"))
+    tiny.report("bamba (project, chunked prefill) vs Transformers", run, gap)
+    assert "2 B/C group(s) of state 16, kernel 4, gated norm over 1 group(s)" in run.log
 
 
 def test_vllms_stock_backend_refuses_it():

@@ -73,6 +73,17 @@ def test_a_stack_of_another_length_is_refused_naming_the_lists_it_holds():
     assert "layers (2 entries)" in str(error.value)
 
 
+def test_lists_inside_the_stack_are_not_taken_for_it():
+    """StableLM's q/k norms per head are ModuleLists, one of them as long as the
+    stack here (4 heads, 4 layers)."""
+    config = small_config(
+        "stablelm", num_hidden_layers=4, num_attention_heads=4, qk_layernorm=True
+    )
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    assert decoder_layers(model, config)[0] == "layers"
+
+
 def test_last_stage_keeps_the_embedding_when_the_head_is_tied():
     _, present, _ = built_on(1, 2, tie=True)
     assert present == {"embed_tokens", "norm"}

@@ -13,7 +13,6 @@ Transformers' (the same reference the engine without speculation is held to in
 seldom right; the draft model here is the target's own checkpoint, so every draft is
 accepted. `E2E_IMPL=stock` runs the same against vLLM's stock backend."""
 
-import re
 import sys
 from pathlib import Path
 
@@ -181,10 +180,11 @@ def test_draft_model_served_by_this_backend():
     """A draft model whose architecture vLLM routes to the Transformers backend (OLMo
     2; vLLM builds a draft with `model_impl="auto"`): the target's own checkpoint, so
     it proposes the target's own greedy tokens, every one accepted."""
-    run = speculate("olmo2", "draft_model", tiny.checkpoint("olmo2"))
-    # The draft's config is resolved after the target's.
-    resolved = re.findall(r"Resolved architecture: (\w+)", run.log)
-    assert resolved[-1] == "TransformersForCausalLM", resolved
+    olmo2 = tiny.checkpoint("olmo2")
+    run = speculate("olmo2", "draft_model", olmo2)
+    if IMPL == "project":
+        # This backend logs a fusion report for each model it builds.
+        assert run.log.count(f"Fusion report for {olmo2}:") == 2, "draft not built here"
     counters = run.spec_decode
     assert (
         counters["vllm:spec_decode_num_accepted_tokens"]

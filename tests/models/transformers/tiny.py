@@ -432,6 +432,15 @@ ARCHS: dict[str, dict[str, Any]] = {
         intermediate_size=64,
         shared_intermediate_size=128,
     ),
+    # Bamba: Mamba-2 mixers with two B/C groups (its gated norm is not grouped), in
+    # layers 0 and 2; rotary attention in 1 and 3; a dense MLP.
+    "bamba": dict(
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+    ),
 }
 """Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).
 The recipe name is the `model_type`, or a variant of one (`VARIANTS`)."""

@@ -23,14 +23,20 @@ def decoder_layers(
 ) -> tuple[str, nn.ModuleList]:
     """The base model's stack of decoder layers: the `ModuleList` with one entry per
     hidden layer (`layers`, `decoder.layers`, `h`), not under the modules named in
-    `outside` (a vision tower's own stack may have as many layers)."""
+    `outside` (a vision tower's own stack may have as many layers) nor inside
+    another such list (StableLM's per-head norms, as many as its layers)."""
     num_layers = text_config.num_hidden_layers
-    stacks = [
+    lists = [
         (name, module)
         for name, module in base_model.named_modules()
         if isinstance(module, nn.ModuleList)
         and len(module) == num_layers
         and not any(name == o or name.startswith(f"{o}.") for o in outside)
+    ]
+    stacks = [
+        (name, module)
+        for name, module in lists
+        if not any(name.startswith(f"{outer}.") for outer, _ in lists)
     ]
     if len(stacks) != 1:
         # Name the lists it does hold: a stack with two attentions per entry
