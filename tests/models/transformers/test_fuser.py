@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, modeling_utils
+from configs import small_config
+from transformers import AutoConfig, AutoModel, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from vllm.model_executor.models.transformers import fuser as registry
@@ -22,6 +23,7 @@ from vllm.model_executor.models.transformers.fusers import (
     QKVFuser,
 )
 from vllm.model_executor.models.transformers.fusers import base as fuser_base
+from vllm.model_executor.models.transformers.utils import parameters_on_meta
 
 
 def mlp(hidden_act: str) -> LlamaMLP:
@@ -65,6 +67,40 @@ def test_declines_live_in_the_cache_entry_not_in_module_state():
     assert registry.analyse(module) is registry.analyse(mlp("silu"))
     registry.clear_cache()
     assert registry.analyse(module) is not None
+
+
+def _state(fuser) -> dict[str, str]:
+    return {name: repr(value) for name, value in vars(fuser).items()}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [
+        # A partial rotary: the function is proven on the rotary channels per plan.
+        ("phi", dict(partial_rotary_factor=0.25)),
+        # A router, proven on a probe of each instance.
+        ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2)),
+    ],
+)
+def test_planning_writes_nothing_into_the_cached_class_analyses(
+    model_type, overrides, vllm_config
+):
+    # The cache holds what the class analysis decided; every instance's verdict is
+    # the plan's, so planning a model (twice) leaves every cached fuser as it was.
+    config = small_config(model_type, num_hidden_layers=2, **overrides)
+    config._attn_implementation = "vllm"
+    with parameters_on_meta():
+        model = AutoModel.from_config(config)
+    cached = [f for m in model.modules() for f in registry.get_fusers(m)]
+    before = [_state(f) for f in cached]
+    # An instance unlike the analysed one (a router the probe must run on again).
+    second = model.layers[1]
+    for module in (second.self_attn, getattr(second.mlp, "gate", None)):
+        if module is not None:
+            module.note = "the second"
+    for _ in range(2):
+        registry.Fusers(model, vllm_config)
+    assert [_state(f) for f in cached] == before
 
 
 def test_concurrent_analyses_of_one_key_agree():

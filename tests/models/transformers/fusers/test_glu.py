@@ -216,12 +216,13 @@ def test_near_misses_are_declined_with_a_reason(module, reason, declined):
 def test_an_activation_module_is_traced_once_per_state(monkeypatch):
     """Each instance's activation is checked, but a model holds one per layer: one
     trace per class and attributes, so checking grows with classes, not depth."""
+    from vllm.model_executor.models.transformers import fuser as registry
     from vllm.model_executor.models.transformers.fusers import glu
 
     traced = []
     trace = glu.tracing.trace
     monkeypatch.setattr(glu.tracing, "trace", lambda m: traced.append(m) or trace(m))
-    glu.clear_cache()
+    registry.clear_cache()
     activations = [ACT2FN["silu"] for _ in range(4)] + [ACT2FN["gelu"] for _ in range(4)]
     assert [glu._activation_of_module(a) for a in activations] == ["silu"] * 4 + [
         "gelu"

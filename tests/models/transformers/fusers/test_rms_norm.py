@@ -388,3 +388,32 @@ def test_every_norm_of_a_real_model_is_fused(
     ), plan.declined
     assert all(plan[m][0].has_weight == bool(list(m.parameters())) for m in norms)
     assert {plan[m][0].has_weight for m in norms} == kinds
+
+
+class UnitOffsetNorm(nn.Module):
+    """One class, two kernels: instances with `unit_offset` scale by `1 + weight`."""
+
+    def __init__(self, unit_offset: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(HIDDEN))
+        self.unit_offset = unit_offset
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        scale = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
+        return (x * scale).to(dtype)
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_instances_that_differ_by_a_flag_each_get_their_own_kernel(first, equivalent):
+    # The trace follows the flag of the instance it runs on; the other instances
+    # must not inherit that branch's verdict.
+    x = torch.randn(2, 3, HIDDEN)
+    kernels = {}
+    for unit_offset in (first, not first):
+        fused, _ = equivalent(UnitOffsetNorm(unit_offset), x)
+        kernels[unit_offset] = type(fused)
+    assert kernels == {True: GemmaRMSNorm, False: RMSNorm}

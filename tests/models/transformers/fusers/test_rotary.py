@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.phi.modeling_phi import PhiAttention, PhiRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbedding
 
+from vllm.model_executor.models.transformers import fuser as registry
 from vllm.model_executor.models.transformers.fuser import get_fuser
 from vllm.model_executor.models.transformers.fusers import (
     RotaryEmbeddingFuser,
@@ -314,6 +315,22 @@ def test_a_partial_rotary_is_proven_on_the_channels_it_rotates(build_backend):
     # Phi hands the function the rotary quarter of each head alone.
     model = build_backend(small_config("phi", partial_rotary_factor=0.25))
     assert taken(model, RotaryEmbeddingFuser) == ["model.rotary_emb"]
-    fuser = model.plan[model.model.layers[0].self_attn][-2]
+    attention = model.model.layers[0].self_attn
+    fuser = model.plan[attention][-2]
     assert isinstance(fuser, RotaryFuser)
-    assert 4 in fuser.widths[8]
+    assert fuser.proven(attention, 8, 4)
+
+
+def test_building_again_writes_no_new_name_into_transformers(fuse):
+    # The fused function lives in the modeling module's globals (the forward's code
+    # reads it there): one name for one proven rotation, however many times a
+    # model is built, the registry's cache cleared between builds.
+    def written() -> list[str]:
+        return [name for name in vars(modeling_llama) if "_on_vllm_kernel" in name]
+
+    before = written()
+    for _ in range(3):
+        registry.clear_cache()
+        fuse(ATTENTIONS["llama"]()[0], paired=True)
+    assert len(written()) <= len(before) + 1
+    assert written()[: len(before)] == before

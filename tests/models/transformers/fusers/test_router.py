@@ -239,7 +239,7 @@ def test_routing_features_each_change_the_choice():
         dict(renormalize=False),
     ):
         other = dataclasses.replace(
-            fuser, routing=dataclasses.replace(fuser.routing, **change), verdicts={}
+            fuser, routing=dataclasses.replace(fuser.routing, **change)
         )
         assert "chooses other experts or weights" in other.unproven(router), change
 

@@ -15,9 +15,13 @@ three stages (DESIGN §4).
 The third stage, applying the plan, is the backend's (`base.py`).
 """
 
+import ast
+import functools
+import inspect
+import textwrap
 import threading
 import traceback
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -25,12 +29,14 @@ from torch import fx, nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import tracing
-from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES, glu
+from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
     Declined,
     FusionDeclined,
+    ProbeResults,
 )
+from vllm.model_executor.models.transformers.fusers.heads import resolve
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,18 +46,95 @@ logger = init_logger(__name__)
 FUSERS: tuple[type[BaseFuser], ...] = FUSER_CLASSES
 """Every fuser, in the order they are tried."""
 
-Key = tuple[type[nn.Module], tuple[str, ...], tuple[str, ...]]
+Key = tuple[
+    type[nn.Module], tuple[str, ...], tuple[str, ...], tuple[tuple[str, Hashable], ...]
+]
 F = TypeVar("F", bound=BaseFuser)
+
+_CONDITIONS = (ast.If, ast.IfExp, ast.While, ast.Assert)
+
+
+def _self_paths(expression: ast.AST) -> Iterator[str]:
+    """`a.b` for each `self.a.b` read in `expression`."""
+    for node in ast.walk(expression):
+        path = []
+        while isinstance(node, ast.Attribute):
+            path.append(node.attr)
+            node = node.value
+        if path and isinstance(node, ast.Name) and node.id == "self":
+            yield ".".join(reversed(path))
+
+
+def _tests(function: ast.AST) -> Iterator[ast.expr]:
+    """Every condition in `function`: of `if`, `while`, `assert`, `a if c else b`,
+    `a and b` / `a or b`, and comprehensions."""
+    for node in ast.walk(function):
+        if isinstance(node, _CONDITIONS):
+            yield node.test
+        elif isinstance(node, ast.BoolOp):
+            yield from node.values
+        elif isinstance(node, ast.comprehension):
+            yield from node.ifs
+
+
+def _own_method(cls: type[nn.Module], name: str) -> Callable | None:
+    method = inspect.getattr_static(cls, name, None)
+    method = getattr(method, "__func__", method)
+    if not inspect.isfunction(method) or method.__module__.startswith("torch"):
+        return None
+    return inspect.unwrap(method)
+
+
+@functools.cache
+def branch_attributes(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The instance attributes (`a`, `a.b` for `self.a.b`) the code of `cls`'s
+    forward tests in a condition, in the forward and in the methods of its own it
+    calls on `self`: the class analysis traces one instance, whose values of these
+    decide which branch its trace (and every verdict read off it) follows."""
+    found: dict[str, None] = {}
+    pending, seen = ["forward"], set()
+    while pending:
+        name = pending.pop()
+        seen.add(name)
+        method = _own_method(cls, name)
+        if method is None:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for test in _tests(tree):
+            found.update(dict.fromkeys(_self_paths(test)))
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call):
+                called = next(iter(_self_paths(call.func)), None)
+                if called and "." not in called and called not in seen:
+                    pending.append(called)
+    return tuple(found)
+
+
+def _state(value: object) -> Hashable:
+    """What of an attribute's value may steer a branch: plain values themselves,
+    anything else its type (`self.bias is not None`)."""
+    if isinstance(value, bool | int | float | str | type(None)):
+        return value
+    return type(value).__qualname__
 
 
 def key(module: nn.Module) -> Key:
-    """What fusers are found by: the module's class and the names of its direct
-    children and parameters. A forward may branch on either (Gemma 3n's norms apply
-    `weight` only where they have one), so each combination is traced on its own."""
+    """What fusers are found by: the module's class, the names of its direct
+    children and parameters, and the values of the attributes its forward branches
+    on. A forward may branch on any of them (Gemma 3n's norms apply `weight` only
+    where they have one; a norm applies `1 + weight` where its `unit_offset` flag is
+    set), so each combination is traced and decided on its own."""
     return (
         type(module),
         tuple(name for name, _ in module.named_children()),
         tuple(name for name, _ in module.named_parameters(recurse=False)),
+        tuple(
+            (path, _state(resolve(module, path)))
+            for path in branch_attributes(type(module))
+        ),
     )
 
 
@@ -171,10 +254,11 @@ def get_fuser(module: nn.Module, cls: type[F]) -> F | None:
 
 
 def clear_cache() -> None:
-    """Forget every class analysis (tests that reuse a class with other shapes)."""
+    """Forget every class analysis, and every probe result behind the plans (tests
+    that reuse a class with other shapes)."""
     with _analysis_lock:
         _analyses.clear()
-        glu.clear_cache()
+        ProbeResults.clear_all()
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,11 @@ module class (see `fuser.py`) and then applied to every instance of that class:
 """
 
 import inspect
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 from torch import fx, nn
 
@@ -33,6 +34,39 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from vllm.model_executor.models.transformers.fuser import Fusers
+
+T = TypeVar("T")
+
+
+class ProbeResults:
+    """Results of a pure probe, kept by everything they depend on (a function and
+    the shapes it is probed with; a module's class, plain attributes and tensor
+    shapes), so instances alike are probed once. Never a verdict kept on a fuser:
+    the class analysis is cached and shared, and each instance's verdict is the
+    plan's. Locked; emptied with the registry's cache (`clear_all`)."""
+
+    _every: ClassVar[list["ProbeResults"]] = []
+
+    def __init__(self) -> None:
+        self._results: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+        ProbeResults._every.append(self)
+
+    def get(self, key: Hashable, probe: Callable[[], T]) -> T:
+        """`probe()`'s result for `key`, probed the first time only (outside the
+        lock: a probe may probe further)."""
+        with self._lock:
+            if key in self._results:
+                return self._results[key]
+        result = probe()
+        with self._lock:
+            return self._results.setdefault(key, result)
+
+    @classmethod
+    def clear_all(cls) -> None:
+        for results in cls._every:
+            with results._lock:
+                results._results.clear()
 
 
 def caller_location(depth: int = 2) -> str:

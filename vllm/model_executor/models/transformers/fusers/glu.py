@@ -19,6 +19,7 @@ from vllm.model_executor.models.transformers import tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
     FusionDeclined,
+    ProbeResults,
     StackedFuser,
 )
 from vllm.model_executor.models.transformers.fusers.qkv import (
@@ -51,13 +52,8 @@ _FUNCTIONS = {F.silu: "silu", F.gelu: "gelu"}
 and vLLM's act-and-mul name for each, with their default arguments."""
 
 
-_activations: dict[Hashable, str | None] = {}
+_activations = ProbeResults()
 """`_state(module)` -> what `_traced_activation(module)` found for it."""
-
-
-def clear_cache() -> None:
-    """Forget the activations traced so far (with the registry's class analyses)."""
-    _activations.clear()
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
@@ -100,9 +96,7 @@ def _activation_of_module(child: object) -> str | None:
     state = _state(child)
     if state is None:
         return _traced_activation(child)
-    if state not in _activations:
-        _activations[state] = _traced_activation(child)
-    return _activations[state]
+    return _activations.get(state, lambda: _traced_activation(child))
 
 
 def _traced_activation(child: nn.Module) -> str | None:

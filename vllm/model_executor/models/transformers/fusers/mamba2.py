@@ -4,14 +4,18 @@
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 import torch
 from torch import fx, nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.fusers.base import (
+    BaseFuser,
+    Declined,
+    ProbeResults,
+)
 from vllm.model_executor.models.transformers.mixers import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -105,6 +109,11 @@ def mixer_state(module: nn.Module) -> Mamba2Dims | str | None:
     return mixer_dims(module)
 
 
+_verdicts = ProbeResults()
+"""(class, dims, plain attributes) of an instance -> its probe's verdict: the dims
+proven, or why not."""
+
+
 @dataclass
 class Mamba2MixerFuser(BaseFuser):
     """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
@@ -121,9 +130,6 @@ class Mamba2MixerFuser(BaseFuser):
 
     kind = "mamba2"
     needs_graph = False
-
-    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
-    """Probe verdicts (the dims, or why not) per instance signature."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -166,11 +172,11 @@ class Mamba2MixerFuser(BaseFuser):
             for name, value in vars(module).items()
             if not name.startswith("_") and isinstance(value, int | float | str | tuple)
         )
-        signature = (type(module), found, attributes)
-        if signature not in self.verdicts:
-            with torch.device("cpu"):
-                self.verdicts[signature] = _prove(module, found)
-        return self.verdicts[signature]
+        # On the CPU whatever the default device (the report builds on `meta`).
+        with torch.device("cpu"):
+            return _verdicts.get(
+                (type(module), found, attributes), lambda: _prove(module, found)
+            )
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         if not vllm_config.model_config.is_hybrid:

@@ -3,11 +3,12 @@
 """The rotary position embedding an attention module applies, on vLLM's kernel."""
 
 import ast
+import hashlib
 import inspect
 import re
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -15,7 +16,11 @@ from torch import fx, nn
 
 from vllm import _custom_ops as ops
 from vllm.model_executor.models.transformers.fusers.attention import AttentionFuser
-from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.fusers.base import (
+    BaseFuser,
+    Declined,
+    ProbeResults,
+)
 from vllm.model_executor.models.transformers.fusers.heads import (
     HEAD_SIZE_ATTRIBUTES,
     resolve,
@@ -84,17 +89,32 @@ def rotate(
     return query.movedim(2, head_dim_at), key.movedim(2, head_dim_at)
 
 
-def _proven_widths(
+def _rotates(
     function: Callable,
     channels: int,
+    width: int,
+    head_dim_at: int,
+    args: tuple,
+    kwargs: tuple[tuple[str, Any], ...],
+) -> bool:
+    """Whether `function(q, k, cat(c, c), cat(s, s), *args, **kwargs)` equals `neox`
+    of `q` and `k` with `c` and `s` of width `width`, on heads of `channels` laid
+    out as `head_dim_at` says; float64, random values. Probed once per inputs."""
+    key = (function, channels, width, head_dim_at, args, kwargs)
+    return _rotations.get(
+        key, lambda: _probe(function, channels, width, head_dim_at, args, dict(kwargs))
+    )
+
+
+def _probe(
+    function: Callable,
+    channels: int,
+    width: int,
     head_dim_at: int,
     args: tuple,
     kwargs: dict[str, Any],
-) -> frozenset[int]:
-    """The half widths `w` for which `function(q, k, cat(c, c), cat(s, s), *args,
-    **kwargs)` equals `neox` of `q` and `k` with `c` and `s` of width `w`, on heads of
-    `channels` laid out as `head_dim_at` says; float64, random values."""
-    generator = torch.Generator().manual_seed(0)
+) -> bool:
+    generator = torch.Generator().manual_seed(width)
 
     def draw(*shape: int) -> torch.Tensor:
         # On the CPU whatever the default device (the report builds on `meta`).
@@ -108,37 +128,55 @@ def _proven_widths(
             shape[1], shape[2] = shape[2], shape[1]
         return draw(*shape)
 
-    proven = set()
-    # From 2: at width 1 every pairing of channels is the same (neox's and GPT-J's).
-    for width in range(2, channels // 2 + 1):
-        q, k = heads(_PROBE_HEADS), heads(_PROBE_KV_HEADS)
-        cos, sin = draw(1, _PROBE_TOKENS, width), draw(1, _PROBE_TOKENS, width)
-        try:
-            with torch.no_grad():
-                out = function(
-                    q.clone(),
-                    k.clone(),
-                    torch.cat((cos, cos), dim=-1),
-                    torch.cat((sin, sin), dim=-1),
-                    *args,
-                    **kwargs,
-                )
-        except Exception:  # noqa: BLE001 - a width the function cannot take
-            continue
-        expected = (neox(q, cos, sin, head_dim_at), neox(k, cos, sin, head_dim_at))
-        if (
-            isinstance(out, tuple | list)
-            and len(out) == 2
-            and all(
-                isinstance(o, torch.Tensor)
-                and o.shape == e.shape
-                and o.dtype == e.dtype
-                and torch.allclose(o, e, rtol=1e-12, atol=1e-12)
-                for o, e in zip(out, expected)
+    q, k = heads(_PROBE_HEADS), heads(_PROBE_KV_HEADS)
+    cos, sin = draw(1, _PROBE_TOKENS, width), draw(1, _PROBE_TOKENS, width)
+    try:
+        with torch.no_grad():
+            out = function(
+                q.clone(),
+                k.clone(),
+                torch.cat((cos, cos), dim=-1),
+                torch.cat((sin, sin), dim=-1),
+                *args,
+                **kwargs,
             )
-        ):
-            proven.add(width)
-    return frozenset(proven)
+    except Exception:  # noqa: BLE001 - a width the function cannot take
+        return False
+    expected = (neox(q, cos, sin, head_dim_at), neox(k, cos, sin, head_dim_at))
+    return (
+        isinstance(out, tuple | list)
+        and len(out) == 2
+        and all(
+            isinstance(o, torch.Tensor)
+            and o.shape == e.shape
+            and o.dtype == e.dtype
+            and torch.allclose(o, e, rtol=1e-12, atol=1e-12)
+            for o, e in zip(out, expected)
+        )
+    )
+
+
+def proven_widths(
+    function: Callable,
+    channels: int,
+    head_dim_at: int,
+    args: tuple,
+    kwargs: tuple[tuple[str, Any], ...],
+) -> frozenset[int]:
+    """The half widths `w` at which `function` rotates heads of `channels` as the
+    kernel does (`_rotates`). From 2: at width 1 every pairing of channels is the
+    same (neox's and GPT-J's)."""
+    return frozenset(
+        width
+        for width in range(2, channels // 2 + 1)
+        if _rotates(function, channels, width, head_dim_at, args, kwargs)
+    )
+
+
+_rotations = ProbeResults()
+"""(function, channels, half width, layout, arguments) -> whether it rotates so."""
+_renamed_code = ProbeResults()
+"""(code, old global, new global) -> the code reading the new one."""
 
 
 @dataclass(frozen=True)
@@ -273,14 +311,6 @@ class RotaryFuser(BaseFuser):
 
     call: _Call | None = None
     head_dim_at: int = 1
-    widths: dict[int, frozenset[int]] = field(
-        default_factory=dict, repr=False, compare=False
-    )
-    """Channels per head of the query handed in -> the half widths proven on them
-    (probed once each: the head size, and the rotary part of partial rotaries)."""
-    _forwards: dict[tuple[Callable, frozenset], Callable] = field(
-        default_factory=dict, repr=False, compare=False
-    )
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -319,9 +349,7 @@ class RotaryFuser(BaseFuser):
             return cls.decline(module, "it holds no head size (head_dim, ...)")
         function = forward.__globals__[call.name]
         proven = {
-            layout: _proven_widths(
-                function, head_size, layout, call.args, dict(call.kwargs)
-            )
+            layout: proven_widths(function, head_size, layout, call.args, call.kwargs)
             for layout in LAYOUTS
         }
         layouts = [layout for layout, widths in proven.items() if widths]
@@ -333,22 +361,31 @@ class RotaryFuser(BaseFuser):
                 if not layouts
                 else f"{call.name} rotates heads in more than one layout",
             )
-        fuser = cls(call=call, head_dim_at=layouts[0])
-        fuser.widths[head_size] = proven[layouts[0]]
-        return fuser
+        return cls(call=call, head_dim_at=layouts[0])
 
     def proven(self, module: nn.Module, channels: int, width: int) -> bool:
         """Whether the function `module`'s forward calls is proven to rotate a query
         of `channels` per head as the kernel does, given cos of half width `width`."""
-        if channels not in self.widths:
-            self.widths[channels] = _proven_widths(
-                self._original(module.forward.__func__),
-                channels,
-                self.head_dim_at,
-                self.call.args,
-                dict(self.call.kwargs),
-            )
-        return width in self.widths[channels]
+        original = self._original(module.forward.__func__)
+        return width in proven_widths(
+            original, channels, self.head_dim_at, self.call.args, self.call.kwargs
+        )
+
+    def proven_pairs(
+        self, original: Callable, head_size: int
+    ) -> frozenset[tuple[int, int]]:
+        """The (channels, half width) calls the fused function may take the kernel
+        for on heads of `head_size`: the whole head at each width proven, and the
+        rotary channels alone (`2 * w`, partial rotaries that hand the function
+        only those) at each width `w` where that is proven."""
+        args, kwargs = self.call.args, self.call.kwargs
+        whole = proven_widths(original, head_size, self.head_dim_at, args, kwargs)
+        alone = (
+            w
+            for w in range(2, head_size // 2 + 1)
+            if _rotates(original, 2 * w, w, self.head_dim_at, args, kwargs)
+        )
+        return frozenset({(head_size, w) for w in whole} | {(2 * w, w) for w in alone})
 
     def _original(self, forward: Callable) -> Callable:
         return forward.__globals__[self.call.name]
@@ -366,33 +403,57 @@ class RotaryFuser(BaseFuser):
     ) -> nn.Module:
         # The forward as it is now: the class's, or a rewrite bound to the instance.
         forward = module.forward.__func__
-        proven = frozenset(
-            (channels, width)
-            for channels, widths in self.widths.items()
-            for width in widths
+        original = self._original(forward)
+        proven = self.proven_pairs(original, head_size_of(module))
+        fused_name = self._install(forward.__globals__, original, proven)
+        code = _renamed_code.get(
+            (forward.__code__, self.call.name, fused_name),
+            lambda: _renamed(forward.__code__, self.call.name, fused_name),
         )
-        if (forward, proven) not in self._forwards:
-            # The fused function goes into the modeling module's own globals under a
-            # name of its own, and the forward's code reads that name instead: its
-            # globals stay the module's (torch.compile guards on them by module).
-            namespace = forward.__globals__
-            fused_name = f"{self.call.name}_on_vllm_kernel"
-            while fused_name in namespace:
-                fused_name += "_"
-            namespace[fused_name] = self._fused_function(
-                self._original(forward), proven
-            )
-            rebound = types.FunctionType(
-                _renamed(forward.__code__, self.call.name, fused_name),
-                namespace,
-                forward.__name__,
-                forward.__defaults__,
-                forward.__closure__,
-            )
-            rebound.__kwdefaults__ = forward.__kwdefaults__
-            self._forwards[forward, proven] = rebound
-        module.forward = types.MethodType(self._forwards[forward, proven], module)
+        rebound = types.FunctionType(
+            code,
+            forward.__globals__,
+            forward.__name__,
+            forward.__defaults__,
+            forward.__closure__,
+        )
+        rebound.__kwdefaults__ = forward.__kwdefaults__
+        module.forward = types.MethodType(rebound, module)
         return module
+
+    def _install(
+        self,
+        namespace: dict[str, Any],
+        original: Callable,
+        proven: frozenset[tuple[int, int]],
+    ) -> str:
+        """The name in `namespace` (the modeling module's globals) under which the
+        fused function for `original` and `proven` lives, written there once.
+
+        The forward's code reads the function by that name and its globals stay the
+        module's (torch.compile guards on them by module). This is the one write
+        into Transformers' modules that outlives the build: the name is a digest
+        of what the function is built from, the same in every process, so building
+        the same model again writes nothing new, and a model with other heads
+        (other proven widths) adds one name."""
+        built_from = (
+            original.__module__,
+            original.__qualname__,
+            self.call.args,
+            self.call.kwargs,
+            self.head_dim_at,
+            sorted(proven),
+        )
+        digest = hashlib.sha256(repr(built_from).encode()).hexdigest()[:12]
+        name = f"{self.call.name}_on_vllm_kernel_{digest}"
+        # Another function of that name (a modeling module loaded again) keeps its own.
+        while (held := namespace.get(name)) is not None and (
+            getattr(held, "__wrapped__", None) is not original
+        ):
+            name += "_"
+        if held is None:
+            namespace[name] = self._fused_function(original, proven)
+        return name
 
     def _fused_function(
         self, original: Callable, proven: frozenset[tuple[int, int]]
@@ -424,6 +485,7 @@ class RotaryFuser(BaseFuser):
             )
 
         fused.__name__ = f"{original.__name__}_on_vllm_kernel"
+        fused.__wrapped__ = original
         return fused
 
     @classmethod

@@ -4,7 +4,7 @@
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Self
 
 import torch
@@ -14,6 +14,7 @@ from torch import fx, nn
 from vllm.model_executor.models.transformers import fx_utils, tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
+    ProbeResults,
     RewriteFuser,
 )
 from vllm.model_executor.models.transformers.routing import (
@@ -315,6 +316,11 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return " and ".join(f"{rank}-D" for rank in ranks) or "no"
 
 
+_verdicts = ProbeResults()
+"""(routing, weight, bias, an instance's signature: its class, attributes and
+tensor shapes) -> the ranks its probes prove the routing on, and why not others."""
+
+
 @dataclass
 class RouterFuser(RewriteFuser):
     """`w, ids = topk(score(x @ W.T [+ b]) [+ correction], k)` with optional
@@ -335,8 +341,6 @@ class RouterFuser(RewriteFuser):
     takes its softmax over dimension 1, which is right on `[tokens, width]` only)."""
     other_ranks: str | None = None
     """Why the routing is not served on the other ranks, where it is not on all."""
-    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
-    """Probe verdicts per instance signature (class attributes and tensor shapes)."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -409,8 +413,14 @@ class RouterFuser(RewriteFuser):
         """The ranks of hidden states on which vLLM's router computes what
         `module` does (float64 and float32 probes), and why not on the others."""
         signature = self._signature(module)
-        if signature is not None and signature in self.verdicts:
-            return self.verdicts[signature]
+        if signature is None:
+            return self._probed_verdict(module)
+        key = (self.routing, self.weight, self.bias, signature)
+        return _verdicts.get(key, lambda: self._probed_verdict(module))
+
+    def _probed_verdict(
+        self, module: nn.Module
+    ) -> tuple[tuple[int, ...], str | None]:
         proven: list[int] = []
         reasons: list[str] = []
         # On the CPU whatever the default device: the report builds on `meta`.
@@ -428,10 +438,7 @@ class RouterFuser(RewriteFuser):
                     proven.append(rank)
                 else:
                     reasons.append(reason)
-        verdict = (tuple(proven), reasons[0] if reasons else None)
-        if signature is not None:
-            self.verdicts[signature] = verdict
-        return verdict
+        return tuple(proven), reasons[0] if reasons else None
 
     def _run(
         self, module: nn.Module, dtype: torch.dtype, rank: int
