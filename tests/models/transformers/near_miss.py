@@ -185,6 +185,27 @@ class PackedWithAGap(Packed):
 # --- gated MLPs ----------------------------------------------------------------------
 
 
+class PackedViewedWithHeadCount(nn.Module):
+    """Baichuan's remote code: a packed projection chunked in three, each part
+    viewed with the module's own head count, the output with its hidden size:
+    under tensor parallelism a rank holds a share of the heads those name."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden_size, self.num_heads, self.head_dim = Q, HEADS, HEAD
+        self.W_pack = nn.Linear(HIDDEN, 3 * Q, bias=False)
+        self.o_proj = nn.Linear(Q, HIDDEN, bias=False)
+
+    def forward(self, x):
+        batch, tokens, _ = x.size()
+        q, k, v = (
+            part.view(batch, tokens, self.num_heads, self.head_dim).transpose(1, 2)
+            for part in self.W_pack(x).chunk(3, -1)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, self.hidden_size))
+
+
 class MLP(nn.Module):
     def __init__(self, activation: str = "silu", up_width: int = 2 * HIDDEN):
         super().__init__()

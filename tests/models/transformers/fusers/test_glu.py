@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.activations import ACT2FN
+from transformers.models.bitnet.modeling_bitnet import BitNetMLP
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -233,3 +234,21 @@ def test_an_activation_module_is_traced_once_per_state(monkeypatch):
     clipped = ACT2FN["gelu_10"]
     assert glu._activation_of_module(clipped) is None
     assert len(traced) == 4
+
+
+def test_a_norm_over_the_whole_product_keeps_the_fusion_off_under_tp(
+    vllm_config, monkeypatch
+):
+    # BitNet normalises the gated product over its whole width before `down_proj`:
+    # at TP=2 each rank would normalise its half of it on its own.
+    config = AutoConfig.for_model(
+        "bitnet", hidden_size=32, intermediate_size=64, hidden_act="silu"
+    )
+    mlp = BitNetMLP(config)
+    fuser = get_fuser(mlp, GLUFuser)
+    assert fuser.validate(mlp, vllm_config)
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert fuser.mismatch(mlp, vllm_config) == (
+        "ffn_sub_norm act on the whole intermediate width between the gated product "
+        "and down_proj, of which each tensor-parallel rank holds only its share"
+    )

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.models.gpt_bigcode.modeling_gpt_bigcode import GPTBigCodeAttention
 from transformers.models.phi3.modeling_phi3 import Phi3Attention
+from near_miss import PackedViewedWithHeadCount
 from transformers.pytorch_utils import Conv1D
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -239,3 +240,26 @@ class Conv1DKeyFirst(KeyFirst):
 def test_conv1d_packings_it_cannot_prove_are_declined(module, reason, declined):
     assert get_fuser(module, PackedQKVFuser) is None
     assert any(reason in r for r in declined(PackedQKVFuser)), declined(PackedQKVFuser)
+
+
+def test_a_forward_viewing_with_the_whole_head_count_is_not_fused_under_tp(
+    vllm_config, monkeypatch
+):
+    # At TP=2 the fused projection hands each rank half the heads, which
+    # `.view(batch, tokens, self.num_heads, ...)` cannot take: refused at
+    # construction (the module stays whole on every rank), not at the first step.
+    module = PackedViewedWithHeadCount()
+    fuser = get_fuser(module, PackedQKVFuser)
+    assert fuser.validate(module, vllm_config)
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert fuser.mismatch(module, vllm_config) == (
+        "its forward reshapes with self.num_heads (4), a count or width of all its "
+        "heads, where each of 2 tensor-parallel ranks would hold only its share of them"
+    )
+
+
+def test_a_forward_viewing_with_the_whole_head_count_computes_the_same_at_tp_1(
+    equivalent,
+):
+    _, applied = equivalent(PackedViewedWithHeadCount(), torch.randn(2, 5, 32))
+    assert [type(f).__name__ for f in applied] == ["PackedQKVFuser"]

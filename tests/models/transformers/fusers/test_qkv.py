@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """QKVFuser: separate q/k/v projections -> one QKVParallelLinear + split."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.bitnet.modeling_bitnet import BitNetAttention
 from transformers.models.llama.modeling_llama import LlamaAttention
 from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
@@ -272,7 +275,8 @@ def test_qwen3_attention_with_head_norms_is_fused(equivalent):
         Qwen3Attention(config, layer_idx=0), tokens(), (cos, sin), None
     )
     assert isinstance(applied[0], QKVFuser)
-    assert applied[0].whole_width_norms == ()  # per-head norms split with the heads
+    # Per-head norms split with the heads.
+    assert applied[0].whole_width_norms(Qwen3Attention(config, layer_idx=0)) == ()
 
 
 def test_output_projection_is_found_when_tracing_stops_after_it(equivalent):
@@ -327,10 +331,63 @@ def test_norms_over_all_heads_keep_the_fusion_off_under_tensor_parallelism(
     )
     attention = Olmo2Attention(config, layer_idx=0)
     fuser = get_fuser(attention, QKVFuser)
-    assert fuser.whole_width_norms == ("q_norm", "k_norm")
+    assert fuser.whole_width_norms(attention) == ("q_norm", "k_norm")
     assert fuser.validate(attention, vllm_config)
     monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
     assert not fuser.validate(attention, vllm_config)
+
+
+class NormedQueryKey(nn.Module):
+    """q/k norms over the whole projection: weightless in some instances (no norm
+    at all), over every head at once in others."""
+
+    def __init__(self, norm: Callable[[int], nn.Module]):
+        super().__init__()
+        self.head_dim = 8
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(HIDDEN, HIDDEN) for _ in range(4)
+        )
+        self.q_norm, self.k_norm = norm(HIDDEN), norm(HIDDEN)
+
+    def forward(self, x):
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(self.q_proj(x)).view(shape).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x)).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+def test_whole_width_norms_are_each_instances_own(vllm_config, monkeypatch):
+    # The class is analysed on an instance without norms; one with norms over all
+    # heads must still keep the fusion off at TP=2 (a rank holds half the heads).
+    without = NormedQueryKey(lambda width: nn.Identity())
+    with_norms = NormedQueryKey(lambda width: nn.RMSNorm(width))
+    fuser = get_fuser(without, QKVFuser)
+    assert get_fuser(with_norms, QKVFuser) is fuser
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert fuser.validate(without, vllm_config)
+    assert "q_norm, k_norm normalise all heads together" in fuser.mismatch(
+        with_norms, vllm_config
+    )
+
+
+def test_a_norm_over_the_whole_attention_output_keeps_the_fusion_off_under_tp(
+    vllm_config, monkeypatch
+):
+    # BitNet normalises the attention output over all heads before `o_proj`: at
+    # TP=2 each rank would normalise its half of the heads on its own.
+    config = AutoConfig.for_model(
+        "bitnet", hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2
+    )
+    attention = BitNetAttention(config, layer_idx=0)
+    fuser = get_fuser(attention, QKVFuser)
+    assert fuser.validate(attention, vllm_config)
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    assert fuser.mismatch(attention, vllm_config) == (
+        "attn_sub_norm act on the whole width between the attention and o_proj, of "
+        "which each tensor-parallel rank holds only its share"
+    )
 
 
 def test_bert_projections_fuse_without_an_output_projection_of_their_own(

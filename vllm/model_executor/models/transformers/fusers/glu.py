@@ -24,7 +24,9 @@ from vllm.model_executor.models.transformers.fusers.base import (
 )
 from vllm.model_executor.models.transformers.fusers.qkv import (
     called_once,
+    children_between,
     row_parallel,
+    whole_width,
 )
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
@@ -189,6 +191,8 @@ class GLUFuser(StackedFuser):
     """The attribute holding the fused act-and-mul: the HF activation module's own
     name when it is replaced whole, else a new one."""
     down_name: str = ""
+    after: tuple[tuple[str, bool], ...] = ()
+    """The children called between the gated product and the down projection."""
     spans: dict[str, Span] = field(default_factory=dict)
     """Spans of the product, the activation and the gate and up calls."""
 
@@ -266,6 +270,7 @@ class GLUFuser(StackedFuser):
                 else rewriting.fresh_attribute(module, "act_and_mul")
             ),
             down_name=down.target,
+            after=children_between(product, down, module),
             spans={
                 "product": product.meta.get("span"),
                 "act": act.meta.get("span"),
@@ -275,6 +280,14 @@ class GLUFuser(StackedFuser):
         )
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and (
+            found := whole_width(module, self.after)
+        ):
+            return (
+                f"{', '.join(found)} act on the whole intermediate width between the "
+                f"gated product and {self.down_name}, of which each tensor-parallel "
+                "rank holds only its share"
+            )
         gate, up = (getattr(module, name, None) for name in self.shards)
         if not linears.is_linear(gate) or not linears.is_linear(up):
             return f"{' and '.join(self.shards)} are not both linears in this instance"

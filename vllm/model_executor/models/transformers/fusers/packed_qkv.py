@@ -28,8 +28,10 @@ from vllm.model_executor.models.transformers.fusers.qkv import (
     HeadLayout,
     PerInstanceHeads,
     called_once,
+    children_between,
     output_projection,
     row_parallel,
+    whole_width_reason,
 )
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
@@ -140,6 +142,9 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
     num_heads_attribute: str = ""
     split_spans: tuple[Span, ...] = ()
     """One span for a split/chunk call, or three for slices (q, k, v)."""
+    after: tuple[tuple[str, bool], ...] = ()
+    """The children between the attention and the output projection, each with
+    whether the code hands it one head at a time."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -200,7 +205,17 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
             head_size_attribute=head_size_attribute,
             num_heads_attribute=num_heads_attribute,
             split_spans=tuple(s.meta.get("span") for s in splits),
+            after=children_between(
+                fx_utils.attention_node(graph), output, module, head_size
+            ),
         )
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if vllm_config.parallel_config.tensor_parallel_size > 1 and (
+            reason := whole_width_reason(module, self.after, self.output_name)
+        ):
+            return reason
+        return super().mismatch(module, vllm_config)
 
     def layout(self, module: nn.Module) -> HeadLayout:
         """This instance's heads: its head size and count, the rest of the packed

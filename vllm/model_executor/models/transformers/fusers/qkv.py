@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Separate query, key and value projections, stacked into one `QKVParallelLinear`."""
 
+import ast
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
@@ -80,9 +82,53 @@ class HeadLayout:
         )
 
 
+_RESHAPES = frozenset({"view", "reshape", "unflatten", "expand"})
+
+
+@functools.cache
+def reshaped_with(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The attributes (`num_heads`, `config.hidden_size`) `cls`'s forward reshapes
+    with: read in the arguments of a `view`, `reshape`, `unflatten` or `expand`, or
+    in a local they are handed (`shape = (b, t, self.num_heads, -1)`)."""
+    source = rewriting.forward_source(cls)
+    if source is None:
+        return ()
+    values: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values.setdefault(target.id, []).append(node.value)
+    found: dict[str, None] = {}
+    calls = sorted(
+        (n for n in ast.walk(source.tree) if isinstance(n, ast.Call)),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    for call in calls:
+        if not (isinstance(call.func, ast.Attribute) and call.func.attr in _RESHAPES):
+            continue
+        pending = [*call.args, *(k.value for k in call.keywords)]
+        seen: set[str] = set()
+        while pending:
+            expression = pending.pop()
+            for node in ast.walk(expression):
+                path = []
+                while isinstance(node, ast.Attribute):
+                    path.append(node.attr)
+                    node = node.value
+                if path and isinstance(node, ast.Name) and node.id == "self":
+                    found[".".join(reversed(path))] = None
+                elif isinstance(node, ast.Name) and node.id not in seen:
+                    seen.add(node.id)
+                    pending.extend(values.get(node.id, []))
+    return tuple(found)
+
+
 class PerInstanceHeads:
     """What the fusers building a `QKVParallelLinear` share: each instance reads its
-    own heads, and takes the fusion only if they split over the TP ranks."""
+    own heads, and takes the fusion only if they split over the TP ranks and its
+    forward reshapes with no count or width of all its heads (Baichuan's and
+    StableLM's `.view(batch, tokens, self.num_heads, head_dim)`)."""
 
     def layout(self, module: nn.Module) -> HeadLayout:
         raise NotImplementedError
@@ -90,9 +136,32 @@ class PerInstanceHeads:
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         try:
-            self.layout(module).check_divides(tp_size)
+            layout = self.layout(module)
+            layout.check_divides(tp_size)
         except FusionDeclined as reason:
             return str(reason)
+        if tp_size == 1:
+            return None
+        q_size = layout.num_heads * layout.head_size
+        kv_size = layout.num_kv_heads * layout.head_size
+        whole = {
+            layout.num_heads,
+            layout.num_kv_heads,
+            q_size,
+            kv_size,
+            layout.num_kv_heads * layout.v_head_size,
+            q_size + 2 * kv_size,
+        }
+        for path in reshaped_with(type(module)):
+            value = resolve(module, path)
+            if path in HEAD_SIZE_ATTRIBUTES or type(value) is not int:
+                continue
+            if value in whole:
+                return (
+                    f"its forward reshapes with self.{path} ({value}), a count or "
+                    f"width of all its heads, where each of {tp_size} tensor-parallel "
+                    "ranks would hold only its share of them"
+                )
         return None
 
 
@@ -121,13 +190,53 @@ def row_parallel(
     setattr(module, name, linear)
 
 
-def _spans_heads(node: fx.Node, module: nn.Module, head_size: int) -> bool:
-    """Whether `node` calls a child with weights on features wider than one head."""
-    child = fx_utils.submodule(node, module)
-    if child is None or not any(True for _ in child.parameters()):
-        return False
+def _reads_one_head(node: fx.Node, head_size: int) -> bool:
+    """Whether the child `node` calls reads features one head wide (per head)."""
     features = fx_utils.value(node.args[0]) if node.args else None
-    return not isinstance(features, torch.Tensor) or features.shape[-1] != head_size
+    return isinstance(features, torch.Tensor) and features.shape[-1] == head_size
+
+
+def whole_width(
+    module: nn.Module, children: tuple[tuple[str, bool], ...]
+) -> tuple[str, ...]:
+    """Those of `children` (name, whether the code hands it one head at a time)
+    that on this instance hold weights over more than one head: a norm over all
+    heads together (OLMo 2's q/k norms), wrong on one rank's share of them."""
+    found = []
+    for name, per_head in children:
+        child = getattr(module, name, None)
+        if not isinstance(child, nn.Module) or per_head or name in found:
+            continue
+        if any(True for _ in child.parameters()):
+            found.append(name)
+    return tuple(found)
+
+
+def children_between(
+    start: fx.Node, end: fx.Node, module: nn.Module, head_size: int = 0
+) -> tuple[tuple[str, bool], ...]:
+    """The children called between `start` and `end` (neither included), each with
+    whether the code hands it one head (`head_size` features) at a time."""
+    return tuple(
+        (node.target, _reads_one_head(node, head_size))
+        for node in sorted(fx_utils.between(start, end) - {end}, key=lambda n: n.name)
+        if fx_utils.submodule(node, module) is not None
+    )
+
+
+def whole_width_reason(
+    module: nn.Module, children: tuple[tuple[str, bool], ...], output: str
+) -> str | None:
+    """Why one rank's share of the heads cannot go through `children` on their way
+    to `output` (a row-parallel projection): those that hold weights over more than
+    one head act on a width each rank holds only a share of (BitNet's
+    `attn_sub_norm`, a norm over the whole attention output)."""
+    if found := whole_width(module, children):
+        return (
+            f"{', '.join(found)} act on the whole width between the attention and "
+            f"{output}, of which each tensor-parallel rank holds only its share"
+        )
+    return None
 
 
 def called_once(graph: fx.Graph, names: list[str]) -> str | None:
@@ -162,9 +271,12 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
     output_name: str = ""
     head_size_attribute: str = ""
     call_spans: dict[str, Span] = field(default_factory=dict)
-    whole_width_norms: tuple[str, ...] = ()
-    """Children with weights between a projection and the attention that see more
-    than one head at a time (OLMo 2's q/k norms): wrong on one rank's share."""
+    after: tuple[tuple[str, bool], ...] = ()
+    """The same for the children between the attention and the output projection."""
+    between: tuple[tuple[str, bool], ...] = ()
+    """Children called between a projection and the attention, each with whether
+    the code hands it one head at a time: which of them hold weights over more
+    than one head (`whole_width_norms`) is each instance's own."""
     absent: tuple[str, ...] = ()
     """Callables the forward guards with `self.<name> is None` that were `None` on
     the analysed instance: the guards are folded, so every instance must lack them."""
@@ -236,11 +348,17 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
         # the fusion stands alone, whole on one rank (see `mismatch`).
         if isinstance(output, str):
             return cls.decline(module, output)
-        whole_width_norms = tuple(
-            node.target
+        between = tuple(
+            child
             for linear, role in zip((q, k, v), roles)
-            for node in fx_utils.between(linear, role)
-            if _spans_heads(node, module, head_size)
+            for child in children_between(linear, role, module, head_size)
+        )
+        after = (
+            ()
+            if output is None
+            else children_between(
+                fx_utils.attention_node(graph), output, module, head_size
+            )
         )
         return cls(
             fused_name=rewriting.merged_name(names, module),
@@ -248,7 +366,8 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
             output_name="" if output is None else output.target,
             head_size_attribute=head_size_attribute,
             call_spans={n.target: n.meta.get("span") for n in (q, k, v)},
-            whole_width_norms=whole_width_norms,
+            between=between,
+            after=after,
         )
 
     def layout(self, module: nn.Module) -> HeadLayout:
@@ -264,13 +383,22 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
             resolve(module, self.head_size_attribute),
         )
 
+    def whole_width_norms(self, module: nn.Module) -> tuple[str, ...]:
+        """This instance's children between a projection and the attention that
+        see more than one head at a time."""
+        return whole_width(module, self.between)
+
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         sharded = vllm_config.parallel_config.tensor_parallel_size > 1
-        if self.whole_width_norms and sharded:
+        if sharded and (norms := self.whole_width_norms(module)):
             return (
-                f"{', '.join(self.whole_width_norms)} normalise all heads together, "
+                f"{', '.join(norms)} normalise all heads together, "
                 "which one rank's share of the heads cannot do"
             )
+        if sharded and (
+            reason := whole_width_reason(module, self.after, self.output_name)
+        ):
+            return reason
         if not self.output_name and sharded:
             return (
                 "the attention output leaves the module without an output "
