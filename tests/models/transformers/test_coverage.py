@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End to end on the CPU engine: architectures beyond vLLM's default routes to the
-Transformers backend (models vLLM has a native implementation for, served here with
-`model_impl="transformers"`) equal Transformers' own output.
+Transformers backend (models vLLM has a native implementation for, and BitNet, which
+has none, served here with `model_impl="transformers"`) equal Transformers' own
+output.
 
 Same harness as `test_default_routed.py`: tiny float32 checkpoints (`tiny.py`, whose
 recipes say what each one exercises), greedy tokens equal to Transformers' `generate`,
@@ -37,11 +38,15 @@ ARCHS = [
     # two layers reusing earlier layers' keys and values (right, though each still
     # gets a KV cache of its own: vLLM's KV sharing is not used, by stock either).
     "gemma3n_text",
+    # Norms over the whole attention output and the whole gated product.
+    "bitnet",
 ]
 
-TENSOR_PARALLEL = ["gpt2"]
-"""Packed q/k/v split per rank, the output projection row-parallel, the MLP
-replicated (GPT-2 has no tensor-parallel plan)."""
+TENSOR_PARALLEL = ["gpt2", "bitnet"]
+"""GPT-2: packed q/k/v split per rank, the output projection row-parallel, the MLP
+replicated (GPT-2 has no tensor-parallel plan). BitNet: its sub-norms span the whole
+width, so neither its q/k/v nor its GLU is fused at TP=2 (declined at construction,
+naming the norm), and its linears stay whole on each rank (no plan either)."""
 
 FEATURES = {
     # The logits divided by `logits_scaling` in GraniteForCausalLM.forward.
@@ -56,7 +61,16 @@ FEATURES = {
 }
 """A feature of a recipe -> (model_type, the config change that turns it off)."""
 
+NO_NATIVE = {"bitnet"}
+"""Recipes vLLM 0.32 has no native model for."""
+
 E2E_IMPL = tiny.e2e_impl()
+
+
+def skip_without_native(model_type: str) -> None:
+    """Skip where `E2E_IMPL` is `native` and vLLM has no native `model_type`."""
+    if E2E_IMPL == "native" and model_type in NO_NATIVE:
+        pytest.skip(f"vLLM has no native model for {model_type}")
 
 
 # --- the references themselves (no engine) --------------------------------------------
@@ -99,6 +113,7 @@ def test_feature_changes_output(feature):
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_matches_transformers(model_type):
     """Greedy tokens equal Transformers' `generate`; logprobs agree."""
+    skip_without_native(model_type)
     run = tiny.shared_engine(model_type, E2E_IMPL)
     atol = tiny.logprob_atol(model_type)
     gap = compare(reference(model_type), run.completions, atol)
@@ -109,4 +124,15 @@ def test_matches_transformers(model_type):
 @pytest.mark.parametrize("model_type", TENSOR_PARALLEL)
 def test_tensor_parallel_matches_transformers(model_type):
     """TP=2 (one core per rank) equals Transformers and TP=1."""
+    skip_without_native(model_type)
     tiny.check_tensor_parallel(model_type, E2E_IMPL)
+
+
+@pytest.mark.engine
+def test_bitnet_at_tensor_parallel_declines_the_fusions_its_sub_norms_break():
+    """At TP=2 the engine's log names each sub-norm that keeps a fusion off."""
+    if E2E_IMPL != "project":
+        pytest.skip("the reasons are this backend's")
+    log = tiny.shared_engine("bitnet", E2E_IMPL, 2).log
+    assert "attn_sub_norm act on the whole width between the attention and o_proj" in log
+    assert "ffn_sub_norm act on the whole intermediate width between the gated" in log

@@ -111,3 +111,18 @@ def test_aria_with_images_at_pipeline_parallel_equals_transformers(request_name)
     gap = max(abs(a - b) for a, b in zip(want.logprobs, got.logprobs))
     assert gap <= tiny.LOGPROB_ATOL, f"logprob gap {gap:.3g}"
     print(f"\n[e2e] aria (PP=2), {request_name}: {run.seconds:.1f} s, gap {gap:.2e}")
+
+
+@pytest.mark.engine
+def test_stablelm_at_tensor_parallel_equals_transformers():
+    """StableLM's attention views its projections with its own head counts
+    (`.view(batch, tokens, self.num_heads, head_dim)`), which one rank's share of a
+    fused projection cannot take: at TP=2 the fusion is declined at construction,
+    its projections stay whole on each rank (it has no tensor-parallel plan), and
+    the output equals Transformers and TP=1."""
+    if E2E_IMPL == "native":
+        pytest.skip(NATIVE_LACKS["stablelm"])
+    tiny.check_tensor_parallel("stablelm", E2E_IMPL)
+    if E2E_IMPL == "project":
+        log = tiny.shared_engine("stablelm", E2E_IMPL, 2).log
+        assert "its forward reshapes with self.num_heads (4)" in log

@@ -246,6 +246,12 @@ ARCHS: dict[str, dict[str, Any]] = {
     # in parallel from one norm.
     "stablelm": dict(use_qkv_bias=True, qk_layernorm=True, use_parallel_residual=True),
     # --- beyond vLLM's default routes (test_coverage.py) ---
+    # BitNet's layout, unquantised: RMSNorms over the whole attention output before
+    # `o_proj` and over the whole gated product before `down_proj` (`attn_sub_norm`,
+    # `ffn_sub_norm`), which one rank's share of the heads or of the intermediate
+    # width cannot take. SiLU, not its ReLU^2 (no fused act-and-mul), so its GLU is
+    # fused at TP=1.
+    "bitnet": dict(head_dim=32, hidden_act="silu"),
     # Granite: Llama with four multipliers, all away from their default of 1: the
     # input embeddings, each residual branch, the softmax scale (not head_dim**-0.5)
     # and the logits, which its causal LM's forward divides by `logits_scaling`.
