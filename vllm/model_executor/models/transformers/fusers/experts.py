@@ -141,6 +141,7 @@ class ExpertsFuser(BaseFuser):
 
     needs_graph = False
     kind = "moe"
+    details_title = "Mixture-of-experts blocks"
 
     activation: str = ""
     concatenated: bool = True

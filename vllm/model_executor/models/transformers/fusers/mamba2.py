@@ -120,6 +120,7 @@ class Mamba2MixerFuser(BaseFuser):
     (`refuse_state_beyond_keys_and_values`): its state would be lost."""
 
     kind = "mamba2"
+    details_title = "State-space mixers, on vLLM's stateful layers"
     needs_graph = False
 
     verdicts: dict = field(default_factory=dict, repr=False, compare=False)

@@ -326,6 +326,7 @@ class RouterFuser(RewriteFuser):
     routing that differs in any way stays Transformers', declined with why."""
 
     kind = "moe"
+    details_title = "Mixture-of-experts blocks"
 
     routing: Routing | None = None
     weight: str = ""
