@@ -212,6 +212,7 @@ def _attention_class(attention: AttentionReport) -> str:
 DETAIL_TITLES = {
     "moe": "Mixture-of-experts blocks",
     "mamba2": "State-space mixers, on vLLM's stateful layers",
+    "short_conv": "Short convolutions, on vLLM's stateful layers",
 }
 """Section titles for the fusion kinds whose instances the report lists."""
 
@@ -293,7 +294,8 @@ def render(report: FusionReport, style: Style) -> str:
             LAYER_INDEX.sub(".{i}.", d) for d in details
         ).items():
             lines.append(f"  {detail}{f' x{count}' if count > 1 else ''}")
-        lines.extend(_beside(report, details))
+        if kind == "moe":  # a mixer's linears are its vLLM layer's own
+            lines.extend(_beside(report, details))
     if report.pooler is not None:
         lines.append(style.head("\nPooling"))
         lines.append(f"  Pooler: {report.pooler}")
@@ -315,6 +317,10 @@ def render(report: FusionReport, style: Style) -> str:
     return "\n".join(lines)
 
 
+MIXER_KINDS = frozenset({"mamba2", "short_conv"})
+"""The fusion kinds that put a hybrid model's mixers on vLLM's stateful layers."""
+
+
 def coverage_row(report: FusionReport) -> dict[str, object]:
     """What `--all` tabulates for one model type."""
     kinds = set(report.fusions)
@@ -328,6 +334,7 @@ def coverage_row(report: FusionReport) -> dict[str, object]:
         "rms_norm": "rms_norm" in kinds,
         "rotary": "rotary" in kinds,
         "add_norm": "add_rms_norm" in kinds,
+        "mixers": bool(kinds & MIXER_KINDS),
         "servable": report.servable,
         "reason": report.reason,
     }
@@ -391,6 +398,7 @@ def run_all(as_json: bool, style: Style) -> None:
         "rms_norm",
         "rotary",
         "add_norm",
+        "mixers",
         "servable",
     )
     totals = {c: sum(bool(r.get(c)) for r in rows) for c in columns}
