@@ -104,10 +104,13 @@ def test_short_convolutions_on_vllm_equal_transformers():
         ) in run.log
 
 
-def test_vllms_stock_backend_refuses_it():
+@pytest.mark.parametrize(
+    "model, layer_type", [(MODEL, "linear_attention"), ("lfm2", "conv")]
+)
+def test_vllms_stock_backend_refuses_it(model, layer_type):
     with pytest.raises(
         RuntimeError,
-        match=r"Layer 0 \(linear_attention\) does not dispatch through the "
+        match=rf"Layer 0 \({layer_type}\) does not dispatch through the "
         r"Transformers attention interface",
     ):
-        tiny.run_engine(tiny.checkpoint(MODEL), PROMPTS[:1], **tiny.IMPLS["stock"])
+        tiny.run_engine(tiny.checkpoint(model), PROMPTS[:1], **tiny.IMPLS["stock"])
