@@ -111,6 +111,21 @@ def test_vision_language_report_shows_the_tower_kept_beside_the_fused_decoder(
     assert "  model.vision_tower: CLIPVisionModel: encodes images" in rendered
 
 
+def test_a_tower_is_named_for_what_it_encodes_where_the_base_model_declares_text(
+    vllm_runtime,
+):
+    """Aria's base model keeps Transformers' default `input_modalities`, the string
+    "text"; its tower encodes images all the same."""
+    import tiny_multimodal
+
+    config = tiny_multimodal.config(tiny_multimodal.RECIPES["aria"])
+    config.architectures = ["AriaForConditionalGeneration"]
+    report = build_report(config, "aria")
+    assert report.kept["vision_tower"].startswith(
+        "Idefics3VisionTransformer: encodes images as Transformers does"
+    )
+
+
 def test_moe_blocks_are_listed_with_router_experts_top_k_activation_and_path(vllm_runtime):
     report = build_report(small_config("mixtral", num_local_experts=4), "mixtral")
     assert report.servable, report.reason

@@ -79,7 +79,14 @@ def aria_engine() -> tiny_multimodal.MultiModalRun:
         ARIA,
         list(requests.values()),
         backend=tiny.IMPLS[E2E_IMPL]["backend"],
-        llm_kwargs=dict(tiny.PIPELINE_PARALLEL, pipeline_parallel_size=2),
+        # vLLM profiles the tower on every stage with as many of the largest images
+        # as its budgets allow (1024 of 980 px by default: 12 GB per stage).
+        llm_kwargs=dict(
+            tiny.PIPELINE_PARALLEL,
+            pipeline_parallel_size=2,
+            max_num_seqs=4,
+            limit_mm_per_prompt={"image": 2},
+        ),
         extra_env=dict(VLLM_CPU_OMP_THREADS_BIND="0|1"),
     )
 
@@ -97,9 +104,9 @@ def aria_reference() -> dict[str, tiny_multimodal.Completion]:
 @pytest.mark.parametrize("request_name", list(tiny_multimodal.REQUESTS))
 def test_aria_with_images_at_pipeline_parallel_equals_transformers(request_name):
     """Aria's processor (every picture padded to 980 px), its Idefics3 tower and
-    cross-attending projector on the first stage, its decoder's experts on vLLM's
-    fused MoE across two stages: the same tokens and log-probabilities as
-    Transformers on one image, two and none."""
+    cross-attending projector on every stage (run on the first), its decoder's
+    experts on vLLM's fused MoE across two stages: the same tokens and
+    log-probabilities as Transformers on one image, two and none."""
     if E2E_IMPL == "native":
         pytest.skip("the multimodal harness runs the Transformers backend")
     run = aria_engine()

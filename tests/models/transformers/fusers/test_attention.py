@@ -270,7 +270,7 @@ def test_a_window_the_backend_cannot_resolve_is_refused_not_dropped(window):
     )
     with pytest.raises(
         ValueError,
-        match=rf"Calling \(layer 2, .*\) passes sliding_window=.*cannot resolve",
+        match=r"Calling \(layer 2, .*\) passes sliding_window=.*cannot resolve",
     ):
         _needs(module)
 

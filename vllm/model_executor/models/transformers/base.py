@@ -373,6 +373,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             self.layer_range,
             self.pp_group,
             self.tie_word_embeddings,
+            everywhere=self.kept,
         )
         # Read while the model is still Transformers' own: the masks it would apply.
         owner = self.model.get_submodule(layers_name.rpartition(".")[0])

@@ -329,6 +329,10 @@ class MultiModalProcessingInfo(processing.BaseProcessingInfo):
                 # square of that side has the most pixels, so the most tiles.
                 side = size["longest_edge"]
                 return ImageSize(width=side, height=side)
+        side = getattr(images, "max_image_size", None)
+        if isinstance(side, int):
+            # Every picture resized into a square of this side (Aria's).
+            return ImageSize(width=side, height=side)
         raise ValueError(
             f"{type(images).__name__}: no size to profile the vision tower with "
             f"(size={getattr(images, 'size', None)})."
@@ -633,11 +637,14 @@ class MultiModalMixin(Base, SupportsMultiModal, SupportsMRoPE):
 
     def kept_with_transformers(self, vllm_config: "VllmConfig") -> dict[str, str]:
         language_model = self.model.get_decoder()
-        # What the HF model takes besides text (VibeVoiceAsr's encoders take audio).
-        modalities = getattr(self.model, "input_modalities", (IMAGE,))
+        # What the HF model takes besides text (VibeVoiceAsr's encoders take audio);
+        # a base model may declare only Transformers' default, the string "text"
+        # (Aria's), where its wrapper declares the images.
+        modalities = getattr(self.model, "input_modalities", ())
+        modalities = (modalities,) if isinstance(modalities, str) else modalities
         inputs = " and ".join(
             MODALITY_INPUTS.get(m, m) for m in modalities if m != "text"
-        )
+        ) or MODALITY_INPUTS[IMAGE]
         return {
             name: (
                 f"{type(child).__name__}: encodes {inputs} as Transformers does (its "

@@ -93,6 +93,7 @@ def drop_other_stages(
     layer_range: range,
     pp_group: GroupCoordinator,
     tie_word_embeddings: bool,
+    everywhere: Collection[str] = (),
 ) -> None:
     """Replace what other pipeline stages own with `PPMissingLayer` (an identity).
 
@@ -102,9 +103,10 @@ def drop_other_stages(
     input embedding on the last one too when the LM head is tied to it; those that
     run after it (the final norm) stay on the last stage. What runs first is where
     the level's forward first reads each module (OPT declares its final norm
-    before its layers), else the order they are declared in (a vision tower that
-    the forward reaches through a method). Parameter-free modules (rotary
-    embeddings) stay everywhere."""
+    before its layers), else the order they are declared in. Parameter-free
+    modules (rotary embeddings) stay everywhere, and so do the modules named in
+    `everywhere` (a vision tower: vLLM's runner profiles the encoder on every
+    stage, and its native models build their towers on each)."""
     if pp_group.world_size == 1:
         return
     layers = base_model.get_submodule(layers_name)
@@ -119,7 +121,11 @@ def drop_other_stages(
         reads = _first_reads(holder)
         for name in names:
             child = holder.get_submodule(name)
-            if name == on_path or next(child.parameters(), None) is None:
+            if (
+                name == on_path
+                or next(child.parameters(), None) is None
+                or ".".join([*path[:depth], name]) in everywhere
+            ):
                 continue
             after = (
                 reads[name] > reads[on_path]
