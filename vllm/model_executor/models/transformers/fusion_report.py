@@ -77,6 +77,8 @@ class FusionReport:
     """Fuser kind -> a line per fused instance, for kinds that list them (`moe`)."""
     titles: dict[str, str] = field(default_factory=dict)
     """Fuser kind -> the title of the section listing its instances."""
+    beside: list[str] = field(default_factory=list)
+    """The kinds whose section names the other children of each instance's block."""
     summaries: dict[str, str] = field(default_factory=dict)
     """Fuser kind -> how the one-line report counts its fusions (`{n}`)."""
     coverage: dict[str, int] = field(default_factory=dict)
@@ -115,6 +117,8 @@ class FusionReport:
         if detail is not None:
             self.details.setdefault(fuser.kind, []).append(detail)
             self.titles[fuser.kind] = fuser.details_title or fuser.kind
+            if fuser.details_beside and fuser.kind not in self.beside:
+                self.beside.append(fuser.kind)
         self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
     def record_plan(self, plan: "Fusers") -> None:

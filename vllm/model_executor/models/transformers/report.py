@@ -290,7 +290,8 @@ def render(report: FusionReport, style: Style) -> str:
             LAYER_INDEX.sub(".{i}.", d) for d in details
         ).items():
             lines.append(f"  {detail}{f' x{count}' if count > 1 else ''}")
-        lines.extend(_beside(report, details))
+        if kind in report.beside:
+            lines.extend(_beside(report, details))
     if report.pooler is not None:
         lines.append(style.head("\nPooling"))
         lines.append(f"  Pooler: {report.pooler}")

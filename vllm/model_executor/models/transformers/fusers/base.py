@@ -65,6 +65,10 @@ class BaseFuser:
     details_title: ClassVar[str] = ""
     """The title of the report's section listing each fused instance (what
     `report_detail` returns), where the fuser lists them."""
+    details_beside: ClassVar[bool] = False
+    """Whether that section also names the other children with linears of the
+    block holding each instance (an MoE block's shared expert, which runs in the
+    block's own code)."""
 
     @classmethod
     def match(

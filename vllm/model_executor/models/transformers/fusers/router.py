@@ -327,6 +327,7 @@ class RouterFuser(RewriteFuser):
 
     kind = "moe"
     details_title = "Mixture-of-experts blocks"
+    details_beside = True
 
     routing: Routing | None = None
     weight: str = ""
