@@ -14,6 +14,7 @@ from configs import small_config
 
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.transformers.report import coverage_row
 
 HYBRID = dict(
     layer_types=["linear_attention", "full_attention"],
@@ -134,6 +135,7 @@ def test_each_mixer_runs_on_mamba_mixer2_and_attention_layers_get_attention(
     (detail,) = model.report.details["mamba2"]
     assert "model.layers.0.mamba: Mamba-2, 8 heads of 32" in detail
     assert "vLLM MambaMixer2, state 19840 bytes per sequence on each rank" in detail
+    assert coverage_row(model.report)["mixers"]
 
 
 def test_a_mixer_vllm_computes_otherwise_is_refused_naming_it_and_why(build_backend):
@@ -145,3 +147,30 @@ def test_a_mixer_vllm_computes_otherwise_is_refused_naming_it_and_why(build_back
         r"Mamba2MixerFuser: it clamps its time steps to \(0.001, inf\)",
     ):
         build_backend(config, "TransformersHybridMoEForCausalLM")
+
+
+def test_each_short_convolution_runs_on_vllms_short_conv(build_backend):
+    from vllm.model_executor.models.transformers.mixers import ShortConvMixer
+
+    config = small_config(
+        "lfm2", layer_types=["conv", "full_attention"], conv_bias=True
+    )
+    model = build_backend(config, "TransformersHybridForCausalLM")
+    mixer, attention = model.model.layers
+    assert isinstance(mixer.conv, ShortConvMixer)
+    assert mixer.conv.prefix == "model.layers.0.conv"
+    assert isinstance(attention.self_attn.attn, Attention)
+    vllm_config = model.vllm_config
+    assert type(model).get_mamba_state_shape_from_config(
+        vllm_config
+    ) == mixer.conv.get_state_shape()
+    assert type(model).get_mamba_state_dtype_from_config(
+        vllm_config
+    ) == mixer.conv.get_state_dtype()
+    assert coverage_row(model.report)["mixers"]
+    (detail,) = model.report.details["short_conv"]
+    assert detail == (
+        "model.layers.0.conv: short convolution, width 128, kernel 3, with biases; "
+        "vLLM ShortConv, state 1024 bytes per sequence on each rank (convolution "
+        "[2, 128] float32)"
+    )

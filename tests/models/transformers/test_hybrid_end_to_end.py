@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A hybrid model on the CPU engine: the tiny Granite 4.0 H (Mamba-2 mixers in layers
+"""Hybrid models on the CPU engine: the tiny Granite 4.0 H (Mamba-2 mixers in layers
 0 and 2, attention in 1 and 3, a mixture of experts in every layer; every 1-D
 parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and norm
-weight included) answers as Transformers does, and as vLLM's native model does.
+weight included) answers as Transformers does, and as vLLM's native model does;
+so do a tiny Bamba (Mamba-2, two B/C groups) and a tiny LFM2 (short convolutions,
+their biases perturbed).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
 split into chunks, each continuing from the state the one before left in vLLM's
@@ -87,10 +89,28 @@ def test_grouped_mixers_with_a_norm_over_the_whole_width_equal_transformers():
     assert "2 B/C group(s) of state 16, kernel 4, gated norm over 1 group(s)" in run.log
 
 
-def test_vllms_stock_backend_refuses_it():
+def test_short_convolutions_on_vllm_equal_transformers():
+    # LFM2: vLLM's ShortConv in layers 0 and 2 (its convolution state in vLLM's
+    # state cache, carried across the long prompt's prefill chunks and the decodes).
+    run = engine("project", model="lfm2")
+    gap = tiny.compare(reference("lfm2"), run.completions, tiny.logprob_atol("lfm2"))
+    tiny.report("lfm2 (project, chunked prefill) vs Transformers", run, gap)
+    (worker,) = run.probe
+    assert worker["model_class"] == "TransformersHybridForCausalLM"
+    for layer in (0, 2):
+        assert (
+            f"Fused: short convolution -> model.layers.{layer}.conv: short "
+            "convolution, width 128, kernel 3, with biases; vLLM ShortConv"
+        ) in run.log
+
+
+@pytest.mark.parametrize(
+    "model, layer_type", [(MODEL, "linear_attention"), ("lfm2", "conv")]
+)
+def test_vllms_stock_backend_refuses_it(model, layer_type):
     with pytest.raises(
         RuntimeError,
-        match=r"Layer 0 \(linear_attention\) does not dispatch through the "
+        match=rf"Layer 0 \({layer_type}\) does not dispatch through the "
         r"Transformers attention interface",
     ):
-        tiny.run_engine(tiny.checkpoint(MODEL), PROMPTS[:1], **tiny.IMPLS["stock"])
+        tiny.run_engine(tiny.checkpoint(model), PROMPTS[:1], **tiny.IMPLS["stock"])

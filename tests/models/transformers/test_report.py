@@ -11,6 +11,7 @@ import pytest
 from configs import SMALL, repository_code, small_config
 from transformers import AutoConfig, PreTrainedConfig
 
+from vllm.model_executor.models.transformers.fusion_report import FusionReport
 from vllm.model_executor.models.transformers.report import (
     Style,
     build_report,
@@ -109,6 +110,27 @@ def test_vision_language_report_shows_the_tower_kept_beside_the_fused_decoder(
     rendered = render(report, Style(False))
     assert "Kept with Transformers (not fused, replicated)" in rendered
     assert "  model.vision_tower: CLIPVisionModel: encodes images" in rendered
+
+
+def test_a_fuser_reaches_the_report_through_what_it_declares():
+    """Its kind's summary in the one-line report, its section title over the
+    instances it lists, the `--all` column it ticks: no list in the report to edit."""
+    from vllm.model_executor.models.transformers.fusers.base import BaseFuser
+
+    class Fake(BaseFuser):
+        kind = "fake"
+        summary = "{n} fakes on vLLM's kernel"
+        coverage = "fake"
+        details_title = "Fakes, on vLLM's kernel"
+
+    report = FusionReport(model="m", num_layers=2)
+    report.record_fusion(Fake(), "model.layers.0.fake: one")
+    report.record_fusion(Fake(), "model.layers.1.fake: one")
+    assert "; 2 fakes on vLLM's kernel; " in report.short()
+    rendered = render(report, Style(False))
+    section = "\nFakes, on vLLM's kernel (i = decoder layer)\n"
+    assert f"{section}  model.layers.{{i}}.fake: one x2" in rendered
+    assert report.coverage == {"fake": 2}
 
 
 def test_a_tower_is_named_for_what_it_encodes_where_the_base_model_declares_text(

@@ -447,6 +447,19 @@ ARCHS: dict[str, dict[str, Any]] = {
         mamba_d_state=16,
         mamba_n_groups=2,
     ),
+    # LFM2: short convolutions (kernel 3, with biases) in layers 0 and 2, attention
+    # (q and k normed per head) in 1 and 3, tied embeddings; `conv_dim` and
+    # `block_dim` as LiquidAI's checkpoints carry them (vLLM's native model reads
+    # them, Transformers does not).
+    "lfm2": dict(
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3,
+        conv_bias=True,
+        block_auto_adjust_ff_dim=False,
+        tie_word_embeddings=True,
+        conv_dim=128,
+        block_dim=128,
+    ),
 }
 """Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).
 The recipe name is the `model_type`, or a variant of one (`VARIANTS`)."""
@@ -503,6 +516,7 @@ INITS: dict[str, Init] = {
     "vaultgemma": Init(std=0.4, perturb=1.0, embed_scale=0.4, head_scale=1.0),
     # Its forward divides the logits by `logits_scaling` (4): sharpened 4x as much.
     "granite": Init(head_scale=8.0),
+    "lfm2": Init(head_scale=4.0, final_norm="model.embedding_norm"),
 }
 
 MIN_MARGIN = 0.02

@@ -426,9 +426,6 @@ def attach_attention(
     construction error naming that layer (`layer_names` says which module it is). So
     is, under MLA, a layer whose attention did not fuse as latent attention
     (`why_not_latent` says why, by module name)."""
-    model_config = vllm_config.model_config
-    parallel_config = vllm_config.parallel_config
-    tp_size = parallel_config.tensor_parallel_size
     for index in layer_indices:
         site = sites.get(index)
         if site is None:
@@ -452,7 +449,7 @@ def attach_attention(
         )
         window, masked_by = sliding_window(site, mask, vllm_config)
         attn: Attention | MLAAttention
-        if model_config.use_mla:
+        if vllm_config.model_config.use_mla:
             if needs.latent is None:
                 raise ValueError(
                     f"Decoder layer {index}: {layer_names.get(index, '?')}. Its "
@@ -466,61 +463,85 @@ def attach_attention(
                 )
             attn = mla_attention(site, vllm_config, layer_prefix)
         else:
-            num_heads, num_kv_heads = heads_per_rank(site, tp_size)
-            sinks = _sinks(site, num_heads, get_tensor_model_parallel_rank())
-            extra = {} if sinks is None else {"sinks": sinks}
-            # Not `Attention(attn_type=ENCODER_ONLY)`: only this subclass's backend
-            # builds its metadata non-causal; the plain layer attends causally.
-            layer_class = Attention if needs.causal else EncoderOnlyAttention
-            try:
-                attn = layer_class(
-                    num_heads=num_heads,
-                    head_size=needs.head_size,
-                    scale=needs.scale,
-                    num_kv_heads=num_kv_heads,
-                    cache_config=vllm_config.cache_config,
-                    quant_config=vllm_config.quant_config,
-                    logits_soft_cap=needs.logits_soft_cap,
-                    per_layer_sliding_window=window,
-                    prefix=layer_prefix,
-                    **extra,
-                )
-            except (AssertionError, ValueError) as error:
-                raise ValueError(
-                    f"Decoder layer {index}: {site.qualname} "
-                    f"({type(site.module).__name__}) needs {num_heads} query and "
-                    f"{num_kv_heads} key/value heads of size {needs.head_size}, "
-                    f"which vLLM's Attention refuses: {error}"
-                ) from error
+            attn = plain_attention(site, window, vllm_config, layer_prefix)
         setattr(site.module, ATTN_ATTR, attn)
-        report.attention.append(
-            AttentionReport(
-                layer_index=index,
-                module=site.qualname,
-                module_class=type(site.module).__name__,
-                scale=needs.scale,
-                sliding_window=window,
-                soft_cap=needs.logits_soft_cap,
-                mla=isinstance(attn, MLAAttention),
-                causal=needs.causal,
-                mask=masked_by,
-            )
+        _record(report, site, attn, window, masked_by)
+
+
+def plain_attention(
+    site: AttentionSite, window: int | None, vllm_config: "VllmConfig", prefix: str
+) -> Attention:
+    """vLLM's `Attention` for a site (`EncoderOnlyAttention` where it attends both
+    ways), with the heads its module feeds on this rank, its scale, soft-cap and
+    sinks, and the sliding `window` its layer applies."""
+    needs = site.needs
+    num_heads, num_kv_heads = heads_per_rank(
+        site, vllm_config.parallel_config.tensor_parallel_size
+    )
+    sinks = _sinks(site, num_heads, get_tensor_model_parallel_rank())
+    extra = {} if sinks is None else {"sinks": sinks}
+    # Not `Attention(attn_type=ENCODER_ONLY)`: only this subclass's backend builds
+    # its metadata non-causal; the plain layer attends causally.
+    layer_class = Attention if needs.causal else EncoderOnlyAttention
+    try:
+        return layer_class(
+            num_heads=num_heads,
+            head_size=needs.head_size,
+            scale=needs.scale,
+            num_kv_heads=num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config,
+            logits_soft_cap=needs.logits_soft_cap,
+            per_layer_sliding_window=window,
+            prefix=prefix,
+            **extra,
         )
-        logger.info(
-            "Attention: %s (%s) -> %s %s (layer %d, scale %.6g, sliding window %s "
-            "(the model's mask: %s), soft-cap %s, sinks %s, %s)",
-            site.qualname,
-            type(site.module).__name__,
-            ATTN_ATTR,
-            type(attn).__name__,
-            index,
-            needs.scale,
-            window,
-            masked_by,
-            needs.logits_soft_cap,
-            needs.sinks,
-            "causal" if needs.causal else "encoder-only",
+    except (AssertionError, ValueError) as error:
+        raise ValueError(
+            f"Decoder layer {site.layer_index}: {site.qualname} "
+            f"({type(site.module).__name__}) needs {num_heads} query and "
+            f"{num_kv_heads} key/value heads of size {needs.head_size}, "
+            f"which vLLM's Attention refuses: {error}"
+        ) from error
+
+
+def _record(
+    report: FusionReport,
+    site: AttentionSite,
+    attn: Attention | MLAAttention,
+    window: int | None,
+    masked_by: str | None,
+) -> None:
+    """What a site's `attn` was built with, in the report and the log."""
+    needs = site.needs
+    report.attention.append(
+        AttentionReport(
+            layer_index=site.layer_index,
+            module=site.qualname,
+            module_class=type(site.module).__name__,
+            scale=needs.scale,
+            sliding_window=window,
+            soft_cap=needs.logits_soft_cap,
+            mla=isinstance(attn, MLAAttention),
+            causal=needs.causal,
+            mask=masked_by,
         )
+    )
+    logger.info(
+        "Attention: %s (%s) -> %s %s (layer %d, scale %.6g, sliding window %s "
+        "(the model's mask: %s), soft-cap %s, sinks %s, %s)",
+        site.qualname,
+        type(site.module).__name__,
+        ATTN_ATTR,
+        type(attn).__name__,
+        site.layer_index,
+        needs.scale,
+        window,
+        masked_by,
+        needs.logits_soft_cap,
+        needs.sinks,
+        "causal" if needs.causal else "encoder-only",
+    )
 
 
 def mla_attention(

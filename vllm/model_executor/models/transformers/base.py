@@ -436,82 +436,106 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         then swap the remaining HF linears and the vocab embedding for vLLM's.
         Returns the modules that dispatch attention, with what each needs."""
         plan = tp_plan or {}
-        vocab_size = self.text_config.vocab_size
         sites: list[AttentionSite] = []
 
         def replace(module: nn.Module, relative: str) -> None:
             for name, child in list(module.named_children()):
                 rel = f"{relative}{name}"
-                qualname = f"{BASE}.{rel}"
                 if rel in self.kept:
                     continue
-                fusers = self.plan[child]
-                self.report.record_module(
-                    type(child).__name__,
-                    matched=[type(f).__name__ for f in get_fusers(child)],
-                    applied=[type(f).__name__ for f in fusers],
-                )
-                # Read before fusing: the fusers may rename the module's children.
-                needs = next(
-                    (
-                        found
-                        for fuser in fusers
-                        if (found := fuser.attention_needs(child, self.vllm_config))
-                        is not None
-                    ),
-                    None,
-                )
-                new = child
-                for fuser in fusers:
-                    new = fuser.fuse(new, qualname, self.vllm_config)
-                    logger.info(fuser.info(qualname, new))
-                    self.report.record_fusion(
-                        fuser, fuser.report_detail(qualname, new)
-                    )
-                    self.layout.add_stacked(fuser.stacked_weights(qualname))
-                    self.layout.add_renamed(fuser.renamed_weights(qualname))
-                if needs is not None:
-                    for fuser in fusers:
-                        needs = fuser.adjust_attention(needs, new, self.vllm_config)
-                    packed = {
-                        original: merged
-                        for fuser in fusers
-                        for merged, originals in fuser.packed_modules_mapping.items()
-                        for original in originals
-                    }
-                    sites.append(AttentionSite(qualname, new, needs, packed))
-                if type(new) in HF_LINEARS:
-                    style = tp_style(rel, plan)
-                    new = replace_linear_class(
-                        new, style or "replicate", self.quant_config, prefix=qualname
-                    )
-                    self.report.linears.append(
-                        LinearReport(
-                            qualname,
-                            type(new).__name__,
-                            style or "replicate",
-                            style is not None,
-                        )
-                    )
-                elif isinstance(new, LinearBase):
-                    # Built by a fuser, which owns its style.
-                    self.report.linears.append(
-                        LinearReport(qualname, type(new).__name__, style_of(new), True)
-                    )
-                elif type(new) is nn.Embedding and new.num_embeddings == vocab_size:
-                    new = VocabParallelEmbedding(
-                        new.num_embeddings,
-                        new.embedding_dim,
-                        quant_config=self.quant_config,
-                        prefix=qualname,
-                    )
-                else:
+                new, site = self.apply_fusers(child, f"{BASE}.{rel}")
+                if site is not None:
+                    sites.append(site)
+                layer = self.vllm_layer(new, rel, plan)
+                if layer is None:
                     replace(new, f"{rel}.")
+                else:
+                    new = layer
                 if new is not child:
                     setattr(module, name, new)
 
         replace(self.model, "")
         return sites
+
+    def apply_fusers(
+        self, module: nn.Module, qualname: str
+    ) -> tuple[nn.Module, AttentionSite | None]:
+        """`module` with its planned fusers applied in order, each logged and
+        reported, and where it dispatches attention, what its `attn` needs."""
+        fusers = self.plan[module]
+        self.report.record_module(
+            type(module).__name__,
+            matched=[type(f).__name__ for f in get_fusers(module)],
+            applied=[type(f).__name__ for f in fusers],
+        )
+        # Read before fusing: the fusers may rename the module's children.
+        needs = next(
+            (
+                found
+                for fuser in fusers
+                if (found := fuser.attention_needs(module, self.vllm_config))
+                is not None
+            ),
+            None,
+        )
+        new = module
+        for fuser in fusers:
+            new = fuser.fuse(new, qualname, self.vllm_config)
+            logger.info(fuser.info(qualname, new))
+            self.report.record_fusion(fuser, fuser.report_detail(qualname, new))
+            self.layout.add_stacked(fuser.stacked_weights(qualname))
+            self.layout.add_renamed(fuser.renamed_weights(qualname))
+        if needs is None:
+            return new, None
+        for fuser in fusers:
+            needs = fuser.adjust_attention(needs, new, self.vllm_config)
+        packed = {
+            original: merged
+            for fuser in fusers
+            for merged, originals in fuser.packed_modules_mapping.items()
+            for original in originals
+        }
+        return new, AttentionSite(qualname, new, needs, packed)
+
+    def vllm_layer(
+        self, module: nn.Module, relative: str, plan: dict[str, str]
+    ) -> nn.Module | None:
+        """vLLM's layer for an HF linear (in the style the HF tensor-parallel plan
+        gives it, replicated where it gives none) or for the vocab embedding; a vLLM
+        linear a fuser built, as it is; None for anything else, whose children are
+        visited in turn. Every linear is reported."""
+        qualname = f"{BASE}.{relative}"
+        if type(module) in HF_LINEARS:
+            style = tp_style(relative, plan)
+            linear = replace_linear_class(
+                module, style or "replicate", self.quant_config, prefix=qualname
+            )
+            self.report.linears.append(
+                LinearReport(
+                    qualname,
+                    type(linear).__name__,
+                    style or "replicate",
+                    style is not None,
+                )
+            )
+            return linear
+        if isinstance(module, LinearBase):
+            # Built by a fuser, which owns its style.
+            self.report.linears.append(
+                LinearReport(qualname, type(module).__name__, style_of(module), True)
+            )
+            return module
+        if (
+            type(module) is nn.Embedding
+            and module.num_embeddings == self.text_config.vocab_size
+        ):
+            return VocabParallelEmbedding(
+                module.num_embeddings,
+                module.embedding_dim,
+                quant_config=self.quant_config,
+                prefix=qualname,
+            )
+        return None
 
     def input_embedding_modules(self) -> dict[str, str]:
         """The input embedding for LoRA's `embedding_modules`, by the last part of its

@@ -75,6 +75,14 @@ class FusionReport:
     """Fuser kind (`qkv`, `glu`, `rms_norm`...) -> instances it was applied to."""
     details: dict[str, list[str]] = field(default_factory=dict)
     """Fuser kind -> a line per fused instance, for kinds that list them (`moe`)."""
+    titles: dict[str, str] = field(default_factory=dict)
+    """Fuser kind -> the title of the section listing its instances."""
+    beside: list[str] = field(default_factory=list)
+    """The kinds whose section names the other children of each instance's block."""
+    summaries: dict[str, str] = field(default_factory=dict)
+    """Fuser kind -> how the one-line report counts its fusions (`{n}`)."""
+    coverage: dict[str, int] = field(default_factory=dict)
+    """Column of `report --all` -> the fusions that tick it."""
     servable: bool = True
     reason: str | None = None
     causal: bool = True
@@ -99,9 +107,18 @@ class FusionReport:
             report.applied[fuser] = report.applied.get(fuser, 0) + 1
 
     def record_fusion(self, fuser: "BaseFuser", detail: str | None = None) -> None:
+        """Count one fusion under the fuser's kind, and under its summary, column
+        and section as the fuser declares them."""
         self.fusions[fuser.kind] = self.fusions.get(fuser.kind, 0) + 1
+        if fuser.summary:
+            self.summaries[fuser.kind] = fuser.summary
+        if fuser.coverage:
+            self.coverage[fuser.coverage] = self.coverage.get(fuser.coverage, 0) + 1
         if detail is not None:
             self.details.setdefault(fuser.kind, []).append(detail)
+            self.titles[fuser.kind] = fuser.details_title or fuser.kind
+            if fuser.details_beside and fuser.kind not in self.beside:
+                self.beside.append(fuser.kind)
         self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
     def record_plan(self, plan: "Fusers") -> None:
@@ -117,11 +134,6 @@ class FusionReport:
                     declined.fuser, declined.module_class, declined.reason, declined.module
                 )
             )
-
-    @property
-    def norms_fused(self) -> int:
-        return self.fusions.get("rms_norm", 0)
-
 
     def fail(self, reason: str) -> None:
         self.servable, self.reason = False, reason
@@ -144,12 +156,12 @@ class FusionReport:
             f"{len(self.attention)}/{self.num_layers} layers"
             f"{' (MLA)' if any(a.mla for a in self.attention) else ''}; "
             f"{self.fused_projections}/{self.linears_total} projections fused; "
-            f"{self.norms_fused} RMSNorms on vLLM's kernel, the residual add fused "
-            f"into one in {self.fusions.get('add_rms_norm', 0)} modules; "
-            f"rotary embeddings on vLLM's kernel in {self.fusions.get('rotary', 0)} "
-            "attention modules; "
-            f"{sum(not linear.planned for linear in self.linears)} linears replicated "
-            "for lack of a tensor-parallel plan"
+            + "".join(
+                f"{summary.format(n=self.fusions[kind])}; "
+                for kind, summary in sorted(self.summaries.items())
+            )
+            + f"{sum(not linear.planned for linear in self.linears)} linears "
+            "replicated for lack of a tensor-parallel plan"
             + (f"; pooler: {self.pooler}" if self.pooler else "")
             + (f"; head: {self.head}" if self.head else "")
             + (f"; kept with Transformers: {', '.join(self.kept)}" if self.kept else "")

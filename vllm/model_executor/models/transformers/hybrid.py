@@ -16,11 +16,10 @@ import torch
 from torch import nn
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer
 
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFunc,
     MambaStateCopyFuncCalculator,
-    MambaStateDtypeCalculator,
-    MambaStateShapeCalculator,
 )
 from vllm.model_executor.models.interfaces import (
     HasInnerState,
@@ -33,8 +32,9 @@ from vllm.model_executor.models.transformers.attention import (
 )
 from vllm.model_executor.models.transformers.base import build_hf_model
 from vllm.model_executor.models.transformers.causal import CausalMixin
-from vllm.model_executor.models.transformers.fusers.mamba2 import mixer_state
-from vllm.model_executor.models.transformers.mixers import Mamba2Dims, Mamba2Mixer
+from vllm.model_executor.models.transformers.fusers import mamba2, short_conv
+from vllm.model_executor.models.transformers.mixers import MixerDims
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,12 +54,25 @@ RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid
 (`vllm_transformers_overlay/routing.py`, standing for vLLM's config code) names
 the hybrid class for a config declaring any of them."""
 
-_MIXERS: dict[str, tuple[Mamba2Dims, ...]] = {}
+MIXER_STATES = (mamba2.mixer_state, short_conv.mixer_state)
+"""Per mixer fuser: a module's dims on vLLM's layer, why it cannot be, or `None`
+when the module is no mixer of that kind."""
+STATE_COPY_FUNCS: dict[MambaAttentionBackendEnum, tuple[MambaStateCopyFunc, ...]] = {
+    MambaAttentionBackendEnum.MAMBA2: (
+        MambaStateCopyFuncCalculator.mamba2_state_copy_func()
+    ),
+    MambaAttentionBackendEnum.SHORT_CONV: (
+        MambaStateCopyFuncCalculator.short_conv_state_copy_func()
+    ),
+}
+"""How vLLM copies each state of a layer (prefix caching), per kind of layer."""
+
+_MIXERS: dict[str, tuple[MixerDims, ...]] = {}
 
 
-def _mixers(vllm_config: "VllmConfig") -> tuple[Mamba2Dims, ...]:
-    """The dims of every Mamba-2 mixer of the model `vllm_config` builds, read off
-    its HF model on `meta` (once per config and process); a stateful mixer no fuser
+def _mixers(vllm_config: "VllmConfig") -> tuple[MixerDims, ...]:
+    """The dims of every mixer of the model `vllm_config` builds, read off its HF
+    model on `meta` (once per config and process); a stateful mixer no fuser
     serves is an error naming it."""
     key = vllm_config.model_config.hf_config.to_json_string(use_diff=False)
     if key not in _MIXERS:
@@ -67,11 +80,13 @@ def _mixers(vllm_config: "VllmConfig") -> tuple[Mamba2Dims, ...]:
     return _MIXERS[key]
 
 
-def _read_mixers(hf_model: nn.Module) -> tuple[Mamba2Dims, ...]:
+def _read_mixers(hf_model: nn.Module) -> tuple[MixerDims, ...]:
     found = []
     for name, module in hf_model.named_modules():
-        dims = mixer_state(module)
-        if isinstance(dims, Mamba2Dims):
+        dims = next(
+            (d for read in MIXER_STATES if (d := read(module)) is not None), None
+        )
+        if isinstance(dims, MixerDims):
             found.append(dims)
             continue
         if isinstance(dims, str):
@@ -89,50 +104,50 @@ def _read_mixers(hf_model: nn.Module) -> tuple[Mamba2Dims, ...]:
 
 
 class HybridMixin(CausalMixin, IsHybrid, HasInnerState, SupportsMambaPrefixCaching):
-    """A causal LM whose decoder mixes tokens with Mamba-2 mixers beside (or instead
-    of) attention: each mixer runs on vLLM's `MambaMixer2` (`fusers/mamba2.py`),
-    its convolution and SSM states in vLLM's state cache."""
+    """A causal LM whose decoder mixes tokens with state-space mixers beside (or
+    instead of) attention: each mixer runs on one of vLLM's stateful layers
+    (`MambaMixer2`, `fusers/mamba2.py`; `ShortConv`, `fusers/short_conv.py`), its
+    states in vLLM's state cache."""
 
     @classmethod
-    def _largest_mixer(cls, vllm_config: "VllmConfig") -> Mamba2Dims:
+    def _largest_mixer(cls, vllm_config: "VllmConfig") -> MixerDims:
+        """The mixer whose state sizes vLLM's state pages: the largest, all of one
+        kind (vLLM sizes one page shape for every mixer layer)."""
         mixers = _mixers(vllm_config)
+        layer_types = sorted(set(vllm_config.model_config.hf_text_config.layer_types))
         if not mixers:
             raise ValueError(
                 f"{cls.__name__}: the model's config declares recurrent layers "
-                f"({sorted(set(vllm_config.model_config.hf_text_config.layer_types))}), "
-                "but its HF model holds no Mamba-2 mixer this backend serves."
+                f"({layer_types}), but its HF model holds no mixer this backend serves."
+            )
+        if len({type(d) for d in mixers}) > 1:
+            raise ValueError(
+                f"{cls.__name__}: the model mixes mixers of different kinds "
+                f"({sorted({type(d).__name__ for d in mixers})}), whose states vLLM's "
+                "state cache does not page together here."
             )
         return max(mixers, key=lambda d: sum(d.state_elements()))
 
     @classmethod
     def get_mamba_state_shape_from_config(
         cls, vllm_config: "VllmConfig"
-    ) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        d = cls._largest_mixer(vllm_config)
-        return MambaStateShapeCalculator.mamba2_state_shape(
-            tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
-            intermediate_size=d.intermediate_size,
-            n_groups=d.n_groups,
-            num_heads=d.num_heads,
-            head_dim=d.head_dim,
-            state_size=d.state_size,
-            conv_kernel=d.conv_kernel,
-            num_spec=vllm_config.num_speculative_tokens,
+    ) -> tuple[tuple[int, ...], ...]:
+        return cls._largest_mixer(vllm_config).state_shape(
+            vllm_config.parallel_config.tensor_parallel_size,
+            vllm_config.num_speculative_tokens,
         )
 
     @classmethod
     def get_mamba_state_dtype_from_config(
         cls, vllm_config: "VllmConfig"
     ) -> tuple[torch.dtype, ...]:
-        return MambaStateDtypeCalculator.mamba2_state_dtype(
-            vllm_config.model_config.dtype,
-            vllm_config.cache_config.mamba_cache_dtype,
-            vllm_config.cache_config.mamba_ssm_cache_dtype,
-        )
+        return cls._largest_mixer(vllm_config).state_dtype(vllm_config)
 
     @classmethod
-    def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, ...]:
-        return MambaStateCopyFuncCalculator.mamba2_state_copy_func()
+    def get_mamba_state_copy_funcs(
+        cls, mamba_types: set[MambaAttentionBackendEnum]
+    ) -> dict[MambaAttentionBackendEnum, tuple[MambaStateCopyFunc, ...]]:
+        return {kind: STATE_COPY_FUNCS[kind] for kind in mamba_types}
 
     def attention_layers(self, sites: dict[int, AttentionSite]) -> list[int]:
         """The layers that must dispatch attention: those whose declared layer type
@@ -157,7 +172,7 @@ class HybridMixin(CausalMixin, IsHybrid, HasInnerState, SupportsMambaPrefixCachi
         layers = self.model.get_submodule(stack)
         for i in self.layer_range:
             if i < len(layer_types) and layer_types[i] in RECURRENT_LAYER_TYPES:
-                if not any(isinstance(m, Mamba2Mixer) for m in layers[i].modules()):
+                if not any(isinstance(m, MambaBase) for m in layers[i].modules()):
                     raise ValueError(
                         f"Decoder layer {i} is a {layer_types[i]!r} layer "
                         "(config.layer_types), but no module in it runs on vLLM's "

@@ -3,29 +3,46 @@
 """State-space mixers on vLLM's stateful layers (see docs/hybrid.md).
 
 A Transformers hybrid decoder layer calls its mixer as
-`mixer(hidden_states, cache_params=..., attention_mask=..., **kwargs)`, keeping the
-mixer's convolution and recurrent states in Transformers' cache. The backend runs the
-HF model without that cache, so a mixer the fusers prove equal to vLLM's layer is
-replaced, in place, by that layer under the HF call signature (`Mamba2Mixer`): it
-ignores Transformers' cache and mask (vLLM hands the batch's sequences and each
-one's state slot to the layer through its forward context) and keeps its states in
-vLLM's state cache, sized per sequence by the model class (`hybrid.py`).
+`mixer(hidden_states, cache_params=..., attention_mask=..., **kwargs)` (or
+`past_key_values=...`), keeping the mixer's convolution and recurrent states in
+Transformers' cache. The backend runs the HF model without that cache, so a mixer
+the fusers prove equal to vLLM's layer is replaced, in place, by that layer under the
+HF call signature (`Mamba2Mixer`, `ShortConvMixer`): it ignores Transformers' cache
+and mask (vLLM hands the batch's sequences and each one's state slot to the layer
+through its forward context) and keeps its states in vLLM's state cache, sized per
+sequence by the model class (`hybrid.py`).
 
-`mamba2_reference` is what vLLM's `MambaMixer2` computes, written as the plain
-recurrence, in whatever dtype it is given: the fuser's probe runs it in float64
-against the HF module, which computes the same thing with a chunked scan."""
+`mamba2_reference` and `short_conv_reference` are what vLLM's `MambaMixer2` and
+`ShortConv` compute, written as plain recurrences, in whatever dtype they are given.
+The fusers prove a module with one probe (`probe_outputs`, `first_gap`): the module
+itself, in float64 through Transformers' cache, on a prefill, a prefill continued
+from its state (vLLM's chunked prefill) and token-by-token decoding, against the
+reference."""
 
+import inspect
+import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_mixer2 import (
     MambaMixer2,
     Mixer2RMSNormGated,
 )
+from vllm.model_executor.layers.mamba.mamba_utils import (
+    MambaStateDtypeCalculator,
+    MambaStateShapeCalculator,
+)
+from vllm.model_executor.layers.mamba.short_conv import ShortConv
+from vllm.model_executor.models.transformers.attention import CACHE_PARAMETERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,6 +78,62 @@ class Mamba2Dims:
             self.conv_dim * (self.conv_kernel - 1),
             self.num_heads * self.head_dim * self.state_size,
         )
+
+    def state_shape(self, tp_size: int, num_spec: int) -> tuple[tuple[int, ...], ...]:
+        """One sequence's states on each of `tp_size` ranks, as the layer asks."""
+        return MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=tp_size,
+            intermediate_size=self.intermediate_size,
+            n_groups=self.n_groups,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            state_size=self.state_size,
+            conv_kernel=self.conv_kernel,
+            num_spec=num_spec,
+        )
+
+    @staticmethod
+    def state_dtype(vllm_config: "VllmConfig") -> tuple[torch.dtype, ...]:
+        cache = vllm_config.cache_config
+        return MambaStateDtypeCalculator.mamba2_state_dtype(
+            vllm_config.model_config.dtype,
+            cache.mamba_cache_dtype,
+            cache.mamba_ssm_cache_dtype,
+        )
+
+
+@dataclass(frozen=True)
+class ShortConvDims:
+    """A short-convolution mixer as vLLM's `ShortConv` is built for it: one width
+    for the hidden state, the convolution's channels and each of `in_proj`'s three
+    parts; one bias flag for the three."""
+
+    hidden_size: int
+    conv_kernel: int
+    use_bias: bool
+
+    def state_elements(self) -> tuple[int]:
+        """Elements of one sequence's convolution state (all ranks)."""
+        return (self.hidden_size * (self.conv_kernel - 1),)
+
+    def state_shape(self, tp_size: int, num_spec: int) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state on each of `tp_size` ranks, as the layer asks."""
+        return MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=tp_size,
+            intermediate_size=self.hidden_size,
+            conv_kernel=self.conv_kernel,
+            num_spec=num_spec,
+        )
+
+    @staticmethod
+    def state_dtype(vllm_config: "VllmConfig") -> tuple[torch.dtype, ...]:
+        return MambaStateDtypeCalculator.short_conv_state_dtype(
+            vllm_config.model_config.dtype, vllm_config.cache_config.mamba_cache_dtype
+        )
+
+
+MixerDims: TypeAlias = Mamba2Dims | ShortConvDims
+"""How one of vLLM's stateful layers is built for a mixer, and its state's size."""
 
 
 class Mamba2Mixer(MambaMixer2):
@@ -106,12 +179,86 @@ class Mamba2Mixer(MambaMixer2):
         return super().forward(flat).view(hidden_states.shape)
 
 
+class ShortConvMixer(ShortConv):
+    """vLLM's `ShortConv` called the way a Transformers decoder layer calls its
+    short convolution (LFM2's): `(hidden_states [batch 1, tokens, hidden],
+    past_key_values=..., attention_mask=..., **kwargs)`, returning the output vLLM's
+    layer writes. Transformers' cache and mask are not read."""
+
+    def __init__(
+        self,
+        dims: ShortConvDims,
+        layer_idx: int,
+        vllm_config: "VllmConfig",
+        prefix: str,
+    ):
+        super().__init__(
+            # The two config fields vLLM's layer reads.
+            config=SimpleNamespace(
+                conv_L_cache=dims.conv_kernel, conv_bias=dims.use_bias
+            ),
+            dim=dims.hidden_size,
+            layer_idx=layer_idx,
+            model_config=vllm_config.model_config,
+            cache_config=vllm_config.cache_config,
+            quant_config=vllm_config.quant_config,
+            prefix=prefix,
+        )
+        self.dims = dims
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: object = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        output = torch.empty_like(flat)
+        super().forward(flat, output)
+        return output.view(hidden_states.shape)
+
+
+def state_description(layer: MambaBase, parts: tuple[str, ...]) -> str:
+    """`state N bytes per sequence on each rank (part [shape] dtype, ...)`: the
+    state `layer` asks of vLLM's state cache, its parts named by `parts`."""
+    shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+    size = sum(math.prod(s) * t.itemsize for s, t in zip(shapes, dtypes))
+    states = ", ".join(
+        f"{part} {list(s)} {str(t).removeprefix('torch.')}"
+        for part, s, t in zip(parts, shapes, dtypes)
+    )
+    return f"state {size} bytes per sequence on each rank ({states})"
+
+
+State: TypeAlias = tuple[torch.Tensor, ...]
+Reference: TypeAlias = Callable[
+    [torch.Tensor, State | None], tuple[torch.Tensor, State]
+]
+"""One sequence's tokens and the state before them -> output, state after them."""
+
+
+def _causal_conv(
+    history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A causal depthwise convolution of `history` ([state + tokens, channels], the
+    state being its first `kernel - 1` rows) with a `[channels, 1, kernel]` weight:
+    one output per token."""
+    windows = history.unfold(0, weight.shape[-1], 1)  # [tokens, channels, kernel]
+    out = (windows * weight[:, 0, :]).sum(-1)
+    return out if bias is None else out + bias
+
+
+def _last_inputs(history: torch.Tensor, kernel: int) -> torch.Tensor:
+    return history[history.shape[0] - (kernel - 1) :]
+
+
 def mamba2_reference(
     tensors: dict[str, torch.Tensor],
     dims: Mamba2Dims,
     x: torch.Tensor,
-    state: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    state: State | None = None,
+) -> tuple[torch.Tensor, State]:
     """What `MambaMixer2` computes for one sequence's tokens `x` ([tokens, hidden])
     from `state` (the last `conv_kernel - 1` convolution inputs, the SSM state;
     zeros when `None`), with the HF module's tensors by their HF names. Returns the
@@ -134,11 +281,13 @@ def mamba2_reference(
     projected = F.linear(x, tensors["in_proj.weight"], tensors.get("in_proj.bias"))
     z, xbc, dt = projected.split([d.intermediate_size, conv_dim, d.num_heads], -1)
     history = torch.cat([conv_state, xbc])
-    windows = history.unfold(0, d.conv_kernel, 1)  # [tokens, conv_dim, kernel]
-    conv = (windows * tensors["conv1d.weight"][:, 0, :]).sum(-1)
-    if d.use_conv_bias:
-        conv = conv + tensors["conv1d.bias"]
-    conv = F.silu(conv)
+    conv = F.silu(
+        _causal_conv(
+            history,
+            tensors["conv1d.weight"],
+            tensors["conv1d.bias"] if d.use_conv_bias else None,
+        )
+    )
     xs, B, C = conv.split([d.intermediate_size, width, width], -1)
     per_group = d.num_heads // d.n_groups
     xs = xs.view(tokens, d.num_heads, d.head_dim)
@@ -158,5 +307,102 @@ def mamba2_reference(
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
     y = grouped.reshape(tokens, d.intermediate_size) * tensors["norm.weight"]
     out = F.linear(y, tensors["out_proj.weight"], tensors.get("out_proj.bias"))
-    return out, (history[history.shape[0] - (d.conv_kernel - 1) :], h)
+    return out, (_last_inputs(history, d.conv_kernel), h)
 
+
+def short_conv_reference(
+    tensors: dict[str, torch.Tensor],
+    dims: ShortConvDims,
+    x: torch.Tensor,
+    state: State | None = None,
+) -> tuple[torch.Tensor, State]:
+    """What `ShortConv` computes for one sequence's tokens `x` ([tokens, hidden])
+    from `state` (the last `conv_kernel - 1` convolution inputs; zeros when `None`),
+    with the HF module's tensors by their HF names: `[B | C | x] = in_proj(h)`,
+    `out_proj(C * conv(B * x))`, the convolution causal and depthwise, with its bias
+    and no activation. Returns the output and the state after the last token."""
+    (conv_state,) = state or (x.new_zeros(dims.conv_kernel - 1, dims.hidden_size),)
+    B, C, xs = F.linear(
+        x, tensors["in_proj.weight"], tensors.get("in_proj.bias")
+    ).chunk(3, -1)
+    history = torch.cat([conv_state, B * xs])
+    conv = _causal_conv(history, tensors["conv.weight"], tensors.get("conv.bias"))
+    out = F.linear(C * conv, tensors["out_proj.weight"], tensors.get("out_proj.bias"))
+    return out, (_last_inputs(history, dims.conv_kernel),)
+
+
+PROBE_SEGMENTS = (5, 3, 1, 1)
+"""The probe's calls: a prefill, a prefill continued from its state (vLLM's chunked
+prefill), then token-by-token decoding."""
+PROBE_RTOL = 1e-4
+"""Relative to the output's scale. Transformers' Mamba-2 scan computes in float32
+even on a float64 probe; any other gating, norm or recurrence is off by 1e-1 or more."""
+
+
+def probe_outputs(
+    module: nn.Module, hidden_size: int, values: dict[str, tuple[float, float]]
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[torch.Tensor] | str]:
+    """The probe of `module`: float64 values for every tensor of it (normal, with
+    the mean and std `values` names for a tensor, else around 0 and scaled by its
+    fan-in), an input of `PROBE_SEGMENTS` tokens, and the module's outputs for it
+    fed in those segments, its state kept in Transformers' cache between calls; or
+    why it cannot be run so."""
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(shape: torch.Size, mean: float, std: float) -> torch.Tensor:
+        return mean + std * torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    tensors = {}
+    named = itertools.chain(module.named_parameters(), module.named_buffers())
+    for name, tensor in named:
+        if name in values:
+            tensors[name] = normal(tensor.shape, *values[name])
+        elif tensor.ndim >= 2:  # a linear's [out, in], a conv1d's [channels, 1, kernel]
+            tensors[name] = normal(tensor.shape, 0.0, tensor.shape[-1] ** -0.5)
+        else:
+            tensors[name] = normal(tensor.shape, 0.0, 0.5)
+    x = normal(torch.Size([sum(PROBE_SEGMENTS), hidden_size]), 0.0, 1.0)
+    return tensors, x, _run_module(module, tensors, x)
+
+
+def _run_module(
+    module: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor
+) -> list[torch.Tensor] | str:
+    parameters = inspect.signature(module.forward).parameters
+    keyword = next((p for p in parameters if p in CACHE_PARAMETERS), None)
+    if keyword is None or not isinstance(getattr(module, "layer_idx", None), int):
+        return "it takes no Transformers cache, or has no layer_idx to keep state by"
+    cache = Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx + 1)])
+    outputs = []
+    for segment in torch.split(x, list(PROBE_SEGMENTS)):
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(
+                    module, tensors, (segment[None],), {keyword: cache}
+                )
+        except Exception as error:  # noqa: BLE001 - a mixer we cannot run is declined
+            return f"it fails on a probe: {type(error).__name__}: {error}"
+        if not isinstance(out, torch.Tensor) or out.shape != segment[None].shape:
+            return "it does not return one hidden state per token"
+        outputs.append(out[0].to(torch.float64))
+    return outputs
+
+
+def first_gap(
+    outputs: list[torch.Tensor], x: torch.Tensor, reference: Reference
+) -> tuple[float, str] | None:
+    """`None` where `reference`, fed `x` in `PROBE_SEGMENTS` from the state it
+    left, gives `outputs`; else the first relative gap above `PROBE_RTOL` and the
+    call it is in."""
+    state = None
+    segments = torch.split(x, list(PROBE_SEGMENTS))
+    for i, (segment, got) in enumerate(zip(segments, outputs)):
+        want, state = reference(segment, state)
+        gap = float((got - want).abs().max() / want.abs().max().clamp_min(1.0))
+        if not gap <= PROBE_RTOL:
+            where = (
+                "the prefill" if i == 0 else "the continued prefill" if i == 1 else
+                f"decode step {i - 1}"
+            )
+            return gap, where
+    return None

@@ -30,10 +30,14 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from vllm.model_executor.models.transformers import fusion_report
+from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
 from vllm.model_executor.models.transformers.fusion_report import (
     AttentionReport,
     FusionReport,
 )
+
+COVERAGE_COLUMNS = tuple(dict.fromkeys(f.coverage for f in FUSER_CLASSES if f.coverage))
+"""The fusion columns of `--all`, as the fusers declare them, in the order tried."""
 
 PLACEHOLDER = AutoConfig.for_model(
     "llama",
@@ -209,13 +213,6 @@ def _attention_class(attention: AttentionReport) -> str:
     return "Attention" if attention.causal else "EncoderOnlyAttention"
 
 
-DETAIL_TITLES = {
-    "moe": "Mixture-of-experts blocks",
-    "mamba2": "State-space mixers, on vLLM's stateful layers",
-}
-"""Section titles for the fusion kinds whose instances the report lists."""
-
-
 def _beside(report: FusionReport, details: list[str]) -> list[str]:
     """For each block holding listed instances, its other children with linears
     (an MoE block's shared expert and its gate), which run in the block's own code."""
@@ -287,13 +284,14 @@ def render(report: FusionReport, style: Style) -> str:
         times = f" x{count}" if count > 1 else ""
         lines.append(f"  {module}: {layer_class} [{tp_style}]{times}{note}")
     for kind, details in sorted(report.details.items()):
-        title = DETAIL_TITLES.get(kind, kind)
+        title = report.titles.get(kind, kind)
         lines.append(style.head(f"\n{title} (i = decoder layer)"))
         for detail, count in Counter(
             LAYER_INDEX.sub(".{i}.", d) for d in details
         ).items():
             lines.append(f"  {detail}{f' x{count}' if count > 1 else ''}")
-        lines.extend(_beside(report, details))
+        if kind in report.beside:
+            lines.extend(_beside(report, details))
     if report.pooler is not None:
         lines.append(style.head("\nPooling"))
         lines.append(f"  Pooler: {report.pooler}")
@@ -317,17 +315,12 @@ def render(report: FusionReport, style: Style) -> str:
 
 def coverage_row(report: FusionReport) -> dict[str, object]:
     """What `--all` tabulates for one model type."""
-    kinds = set(report.fusions)
     layers = report.num_layers
     return {
         "model_type": report.model,
         "built": layers > 0,
         "attention": layers > 0 and len(report.attention) == layers,
-        "qkv": bool(kinds & {"qkv", "packed_qkv", "mla"}),
-        "glu": "glu" in kinds,
-        "rms_norm": "rms_norm" in kinds,
-        "rotary": "rotary" in kinds,
-        "add_norm": "add_rms_norm" in kinds,
+        **{column: column in report.coverage for column in COVERAGE_COLUMNS},
         "servable": report.servable,
         "reason": report.reason,
     }
@@ -383,16 +376,7 @@ def run_all(as_json: bool, style: Style) -> None:
             continue
         rows.append(coverage_row(build_report(config, model_type)))
     elapsed = time.perf_counter() - started
-    columns = (
-        "built",
-        "attention",
-        "qkv",
-        "glu",
-        "rms_norm",
-        "rotary",
-        "add_norm",
-        "servable",
-    )
+    columns = ("built", "attention", *COVERAGE_COLUMNS, "servable")
     totals = {c: sum(bool(r.get(c)) for r in rows) for c in columns}
     summary = f"{len(rows)} causal-LM model types in {elapsed:.0f} s: " + ", ".join(
         f"{c} {totals[c]}" for c in columns

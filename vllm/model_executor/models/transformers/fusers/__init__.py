@@ -22,6 +22,7 @@ from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
     RotaryEmbeddingFuser,
 )
 from vllm.model_executor.models.transformers.fusers.router import RouterFuser
+from vllm.model_executor.models.transformers.fusers.short_conv import ShortConvFuser
 
 # Rewriters first: at most one of them redefines a class's forward.
 # MLA first: a latent attention also has a query and a key/value path that a QKV
@@ -40,6 +41,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     AttentionFuser,
     ExpertsFuser,
     Mamba2MixerFuser,
+    ShortConvFuser,
 )
 
 __all__ = [
@@ -59,5 +61,6 @@ __all__ = [
     "RotaryEmbeddingFuser",
     "RotaryFuser",
     "RouterFuser",
+    "ShortConvFuser",
     "StackedFuser",
 ]

@@ -215,6 +215,8 @@ class AddRMSNormFuser(RewriteFuser):
     vLLM's RMSNorm in every instance (`cross_check`), or no site is fused."""
 
     kind = "add_rms_norm"
+    summary = "the residual add fused into one in {n} modules"
+    coverage = "add_norm"
     needs_graph = False
 
     sites: tuple[Site, ...] = ()

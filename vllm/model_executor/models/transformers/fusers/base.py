@@ -91,6 +91,18 @@ class BaseFuser:
     """Whether `match` reads the fx graph, so the module class must be traced."""
     kind: ClassVar[str] = ""
     """What the fusion report counts this fuser as (`qkv`, `glu`, `rms_norm`...)."""
+    summary: ClassVar[str] = ""
+    """The report's one-line count of this kind's fusions (`{n}`: how many), where
+    the line shows them."""
+    coverage: ClassVar[str] = ""
+    """The column of `report --all` this kind's fusions tick, where one does."""
+    details_title: ClassVar[str] = ""
+    """The title of the report's section listing each fused instance (what
+    `report_detail` returns), where the fuser lists them."""
+    details_beside: ClassVar[bool] = False
+    """Whether that section also names the other children with linears of the
+    block holding each instance (an MoE block's shared expert, which runs in the
+    block's own code)."""
 
     @classmethod
     def match(

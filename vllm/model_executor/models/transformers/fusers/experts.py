@@ -141,6 +141,8 @@ class ExpertsFuser(BaseFuser):
 
     needs_graph = False
     kind = "moe"
+    details_title = "Mixture-of-experts blocks"
+    details_beside = True
 
     activation: str = ""
     concatenated: bool = True

@@ -180,6 +180,7 @@ class GLUFuser(StackedFuser):
     calls alike. One vLLM has no fused act-and-mul for is declined."""
 
     kind = "glu"
+    coverage = "glu"
 
     activation: str = ""
     """vLLM's name for it, as `get_act_and_mul_fn` takes it."""

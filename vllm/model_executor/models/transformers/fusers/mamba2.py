@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Mamba-2 mixer on vLLM's `MambaMixer2`, its states in vLLM's state cache."""
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -9,7 +10,6 @@ from typing import TYPE_CHECKING, Self
 
 import torch
 from torch import fx, nn
-from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
@@ -19,7 +19,10 @@ from vllm.model_executor.models.transformers.fusers.base import (
 from vllm.model_executor.models.transformers.mixers import (
     Mamba2Dims,
     Mamba2Mixer,
+    first_gap,
     mamba2_reference,
+    probe_outputs,
+    state_description,
 )
 
 if TYPE_CHECKING:
@@ -29,12 +32,9 @@ _OWN_TENSORS = frozenset({"A_log", "D", "dt_bias"})
 _CHILDREN = frozenset({"in_proj", "conv1d", "norm", "out_proj", "act"})
 _ACTIVATIONS = frozenset({"silu", "swish"})
 """What vLLM's causal convolution applies (it takes no other activation)."""
-_SEGMENTS = (5, 3, 1, 1)
-"""The probe's calls: a prefill, a prefill continued from its state (vLLM's chunked
-prefill), then token-by-token decoding."""
-_RTOL = 1e-4
-"""Relative to the output's scale. Transformers' own scan computes in float32 even
-on a float64 probe; any other gating, norm or recurrence is off by 1e-1 or more."""
+_PROBE_VALUES = {"A_log": (-1.0, 0.5), "D": (1.0, 0.3), "norm.weight": (1.0, 0.3)}
+"""The probe's mean and std for the mixer's own tensors: decays between 0.3 and 1,
+skip and norm weights around 1, so that every part of the mixer matters."""
 
 
 def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
@@ -129,6 +129,8 @@ class Mamba2MixerFuser(BaseFuser):
     (`refuse_state_beyond_keys_and_values`): its state would be lost."""
 
     kind = "mamba2"
+    details_title = "State-space mixers, on vLLM's stateful layers"
+    coverage = "mixers"
     needs_graph = False
 
     @classmethod
@@ -215,111 +217,33 @@ class Mamba2MixerFuser(BaseFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         d: Mamba2Dims = module.dims
-        shapes, dtypes = module.get_state_shape(), module.get_state_dtype()
-        size = sum(math.prod(s) * t.itemsize for s, t in zip(shapes, dtypes))
-        states = ", ".join(
-            f"{part} {list(s)} {str(t).removeprefix('torch.')}"
-            for part, s, t in zip(("convolution", "SSM"), shapes, dtypes)
-        )
         return (
             f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
             f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, gated "
-            f"norm over {d.norm_groups} group(s); vLLM MambaMixer2, state {size} "
-            f"bytes per sequence on each rank ({states})"
+            f"norm over {d.norm_groups} group(s); vLLM MambaMixer2, "
+            f"{state_description(module, ('convolution', 'SSM'))}"
         )
 
     def info(self, name: str, module: nn.Module) -> str:
         return f"Fused: Mamba-2 mixer -> {self.report_detail(name, module)}"
 
 
-def _random_tensors(
-    module: nn.Module, generator: torch.Generator
-) -> dict[str, torch.Tensor]:
-    """float64 values for every tensor of `module`, scaled so that every part of the
-    mixer matters: time steps around 1, decays between 0.3 and 1."""
-
-    def normal(shape, mean: float, std: float) -> torch.Tensor:
-        return mean + std * torch.randn(shape, generator=generator, dtype=torch.float64)
-
-    tensors = {}
-    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
-        if name == "A_log":
-            tensors[name] = normal(tensor.shape, -1.0, 0.5)
-        elif name in ("D", "norm.weight"):
-            tensors[name] = normal(tensor.shape, 1.0, 0.3)
-        elif tensor.ndim == 2:
-            tensors[name] = normal(tensor.shape, 0.0, tensor.shape[1] ** -0.5)
-        elif tensor.ndim == 3:  # conv1d.weight [channels, 1, kernel]
-            tensors[name] = normal(tensor.shape, 0.0, tensor.shape[2] ** -0.5)
-        else:
-            tensors[name] = normal(tensor.shape, 0.0, 0.5)
-    return tensors
-
-
 def _prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
     """`dims` with the norm group count under which vLLM's layer computes what
-    `module` does on a float64 probe, or why no count does."""
-    generator = torch.Generator().manual_seed(0)
-    tensors = _random_tensors(module, generator)
-    x = torch.randn(
-        sum(_SEGMENTS), dims.hidden_size, generator=generator, dtype=torch.float64
-    )
-    outputs = _run_module(module, tensors, x)
+    `module` does on the float64 probe, or why no count does."""
+    tensors, x, outputs = probe_outputs(module, dims.hidden_size, _PROBE_VALUES)
     if isinstance(outputs, str):
         return outputs
-    worst = math.inf
+    worst = (math.inf, "")
     for groups in sorted({dims.n_groups, 1}):
         candidate = Mamba2Dims(**{**vars(dims), "norm_groups": groups})
-        gap, where = _gap(outputs, tensors, candidate, x)
+        reference = functools.partial(mamba2_reference, tensors, candidate)
+        gap = first_gap(outputs, x, reference)
         if gap is None:
             return candidate
-        if gap < worst:
-            worst, worst_where = gap, where
+        worst = min(worst, gap)
     return (
         "on a float64 probe vLLM's MambaMixer2 (silu-gated RMSNorm over 1 or "
         f"{dims.n_groups} groups, softplus time steps, unclamped) differs from it "
-        f"by {worst:.3g} (relative) in {worst_where}"
+        f"by {worst[0]:.3g} (relative) in {worst[1]}"
     )
-
-
-def _run_module(
-    module: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor
-) -> list[torch.Tensor] | str:
-    """The module's outputs for `x` fed in `_SEGMENTS`, its state kept in
-    Transformers' cache between calls; or why it fails."""
-    cache = Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx + 1)])
-    outputs = []
-    for segment in torch.split(x, list(_SEGMENTS)):
-        try:
-            with torch.no_grad():
-                out = torch.func.functional_call(
-                    module, tensors, (segment[None],), {"cache_params": cache}
-                )
-        except Exception as error:  # noqa: BLE001 - a mixer we cannot run is declined
-            return f"it fails on a probe: {type(error).__name__}: {error}"
-        if not isinstance(out, torch.Tensor) or out.shape != segment[None].shape:
-            return "it does not return one hidden state per token"
-        outputs.append(out[0].to(torch.float64))
-    return outputs
-
-
-def _gap(
-    outputs: list[torch.Tensor],
-    tensors: dict[str, torch.Tensor],
-    dims: Mamba2Dims,
-    x: torch.Tensor,
-) -> tuple[float | None, str]:
-    """`None` where `mamba2_reference` on `dims` gives `outputs`, else the largest
-    relative gap and the call it is in."""
-    state = None
-    for i, (segment, got) in enumerate(zip(torch.split(x, list(_SEGMENTS)), outputs)):
-        want, state = mamba2_reference(tensors, dims, segment, state)
-        scale = want.abs().max().clamp_min(1.0)
-        gap = float((got - want).abs().max() / scale)
-        if not gap <= _RTOL:
-            where = (
-                "the prefill" if i == 0 else "the continued prefill" if i == 1 else
-                f"decode step {i - 1}"
-            )
-            return gap, where
-    return None, ""

@@ -203,6 +203,7 @@ class MLAFuser(StackedFuser):
     vLLM's plain attention)."""
 
     kind = "mla"
+    coverage = "qkv"
 
     q_a: str | None = None
     q_norm: str | None = None

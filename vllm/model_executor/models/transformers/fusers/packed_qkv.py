@@ -135,6 +135,7 @@ class PackedQKVFuser(PerInstanceHeads, RewriteFuser):
     is taken; any other packing is declined, never guessed."""
 
     kind = "packed_qkv"
+    coverage = "qkv"
 
     packed_name: str = ""
     output_name: str = ""

@@ -267,6 +267,7 @@ class QKVFuser(PerInstanceHeads, StackedFuser):
     and every instance must have the same."""
 
     kind = "qkv"
+    coverage = "qkv"
 
     output_name: str = ""
     head_size_attribute: str = ""

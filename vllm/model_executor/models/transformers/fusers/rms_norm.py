@@ -159,6 +159,8 @@ class RMSNormFuser(BaseFuser):
 
     needs_graph = True
     kind = "rms_norm"
+    summary = "{n} RMSNorms on vLLM's kernel"
+    coverage = "rms_norm"
 
     gemma: bool = False
     weight_in_float32: bool = False

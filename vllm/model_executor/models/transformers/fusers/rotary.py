@@ -308,6 +308,8 @@ class RotaryFuser(BaseFuser):
 
     needs_graph = False
     kind = "rotary"
+    summary = "rotary embeddings on vLLM's kernel in {n} attention modules"
+    coverage = "rotary"
 
     call: _Call | None = None
     head_dim_at: int = 1

@@ -332,6 +332,8 @@ class RouterFuser(RewriteFuser):
     routing that differs in any way stays Transformers', declined with why."""
 
     kind = "moe"
+    details_title = "Mixture-of-experts blocks"
+    details_beside = True
 
     routing: Routing | None = None
     weight: str = ""

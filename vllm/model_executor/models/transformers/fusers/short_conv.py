@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The short-convolution mixer (LFM2's) on vLLM's `ShortConv`, its state in vLLM's
+state cache."""
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Self
+
+import torch
+from torch import fx, nn
+
+from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.mixers import (
+    ShortConvDims,
+    ShortConvMixer,
+    first_gap,
+    probe_outputs,
+    short_conv_reference,
+    state_description,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_CHILDREN = frozenset({"in_proj", "conv", "out_proj"})
+
+
+def mixer_dims(module: nn.Module) -> ShortConvDims | str:
+    """The module as `ShortConv` would be built for it, from its tensors' shapes
+    (not yet proven); or why it does not fit that layer."""
+    in_proj, conv, out_proj = module.in_proj, module.conv, module.out_proj
+    channels, _, kernel = conv.weight.shape
+    hidden = in_proj.in_features
+    if (conv.groups, conv.stride, conv.dilation, conv.padding) != (
+        channels,
+        (1,),
+        (1,),
+        (kernel - 1,),
+    ):
+        return "its conv is not a causal depthwise convolution"
+    if kernel < 2:
+        return f"its convolution's kernel of {kernel} keeps no state"
+    out_widths = (out_proj.in_features, out_proj.out_features)
+    if (in_proj.out_features, channels, *out_widths) != (3 * hidden, *[hidden] * 3):
+        return (
+            f"its widths (in_proj {hidden} -> {in_proj.out_features}, conv "
+            f"{channels} channels, out_proj {out_proj.in_features} -> "
+            f"{out_proj.out_features}) are not the hidden size, and three times it "
+            "for in_proj's B, C and x, as vLLM's ShortConv has them"
+        )
+    biases = {part.bias is not None for part in (in_proj, conv, out_proj)}
+    if len(biases) != 1:
+        return "some of in_proj, conv and out_proj have a bias and others not"
+    return ShortConvDims(hidden_size=hidden, conv_kernel=kernel, use_bias=biases.pop())
+
+
+def mixer_state(module: nn.Module) -> ShortConvDims | str | None:
+    """What `ShortConv` would be built with for `module` (its state's size), why it
+    cannot be, or `None` when `module` is no short convolution: read before a model
+    is built, to size vLLM's state cache."""
+    matched = ShortConvFuser.match(None, module)
+    if matched is None:
+        return None
+    if isinstance(matched, Declined):
+        return matched.reason
+    return mixer_dims(module)
+
+
+@dataclass
+class ShortConvFuser(BaseFuser):
+    """`out_proj(C * conv(B * x))`, `[B|C|x] = in_proj(h)` -> vLLM's `ShortConv`.
+
+    The module's shapes (width, kernel, biases) say how vLLM's layer is built; a
+    float64 probe of each instance, run against the module itself (a prefill, a
+    prefill continued from its state, token-by-token decoding, through Transformers'
+    cache), proves that layer computes the same: the split of `in_proj` into B, C
+    and x in that order, the gating, no activation. The module is then replaced by
+    vLLM's layer under its own call signature (`mixers.ShortConvMixer`), its
+    convolution state in vLLM's state cache. A mixer that differs is declined with
+    why, and the backend refuses the model naming it
+    (`refuse_state_beyond_keys_and_values`): its state would be lost."""
+
+    kind = "short_conv"
+    details_title = "Short convolutions, on vLLM's stateful layers"
+    coverage = "mixers"
+    needs_graph = False
+
+    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
+    """Probe verdicts (the dims, or why not) per instance signature."""
+
+    @classmethod
+    def could_match(cls, module: nn.Module) -> bool:
+        return isinstance(getattr(module, "conv", None), nn.Conv1d) and all(
+            isinstance(getattr(module, name, None), nn.Linear)
+            for name in ("in_proj", "out_proj")
+        )
+
+    @classmethod
+    def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | Declined | None:
+        if not cls.could_match(module):
+            return None
+        parts = itertools.chain(
+            module.named_parameters(recurse=False),
+            module.named_buffers(recurse=False),
+            module.named_children(),
+        )
+        extra = sorted({name for name, _ in parts} - _CHILDREN)
+        if extra:
+            return cls.decline(
+                module, f"it holds {extra}, which vLLM's ShortConv has no place for"
+            )
+        if not hasattr(module, "layer_idx"):
+            return cls.decline(module, "it has no layer_idx to find its state by")
+        return cls()
+
+    def dims(self, module: nn.Module) -> ShortConvDims | str:
+        """The instance's dims as its probe proved them, or why it cannot be."""
+        found = mixer_dims(module)
+        if isinstance(found, str):
+            return found
+        attributes = tuple(
+            (name, value)
+            for name, value in vars(module).items()
+            if not name.startswith("_") and isinstance(value, int | float | str | tuple)
+        )
+        signature = (type(module), found, attributes)
+        if signature not in self.verdicts:
+            with torch.device("cpu"):
+                self.verdicts[signature] = _prove(module, found)
+        return self.verdicts[signature]
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if not vllm_config.model_config.is_hybrid:
+            return (
+                "vLLM keeps no state for this model: it is served by a class that is "
+                "not hybrid (vLLM named the class without the overlay's routing)"
+            )
+        found = self.dims(module)
+        if isinstance(found, str):
+            return found
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if found.hidden_size % tp:
+            return (
+                f"its width {found.hidden_size} does not divide across {tp} "
+                "tensor-parallel ranks as ShortConv splits its channels"
+            )
+        return None
+
+    def fuse(
+        self, module: nn.Module, prefix: str, vllm_config: "VllmConfig"
+    ) -> nn.Module:
+        found = self.dims(module)
+        assert isinstance(found, ShortConvDims), found
+        return ShortConvMixer(found, module.layer_idx, vllm_config, prefix)
+
+    def report_detail(self, name: str, module: nn.Module) -> str:
+        d: ShortConvDims = module.dims
+        return (
+            f"{name}: short convolution, width {d.hidden_size}, kernel "
+            f"{d.conv_kernel}, {'with' if d.use_bias else 'no'} biases; vLLM "
+            f"ShortConv, {state_description(module, ('convolution',))}"
+        )
+
+    def info(self, name: str, module: nn.Module) -> str:
+        return f"Fused: short convolution -> {self.report_detail(name, module)}"
+
+
+def _prove(module: nn.Module, dims: ShortConvDims) -> ShortConvDims | str:
+    """`dims` where vLLM's layer computes what `module` does on the float64 probe,
+    else where and by how much it differs."""
+    tensors, x, outputs = probe_outputs(module, dims.hidden_size, {})
+    if isinstance(outputs, str):
+        return outputs
+    gap = first_gap(outputs, x, functools.partial(short_conv_reference, tensors, dims))
+    if gap is None:
+        return dims
+    return (
+        "on a float64 probe vLLM's ShortConv (out_proj(C * conv(B * x)), "
+        f"[B|C|x] = in_proj(h), no activation) differs from it by {gap[0]:.3g} "
+        f"(relative) in {gap[1]}"
+    )
