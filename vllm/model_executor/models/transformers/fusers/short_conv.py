@@ -5,13 +5,17 @@ state cache."""
 
 import functools
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 import torch
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.fusers.base import (
+    BaseFuser,
+    Declined,
+    ProbeResults,
+)
 from vllm.model_executor.models.transformers.mixers import (
     ShortConvDims,
     ShortConvMixer,
@@ -68,6 +72,11 @@ def mixer_state(module: nn.Module) -> ShortConvDims | str | None:
     return mixer_dims(module)
 
 
+_verdicts = ProbeResults()
+"""(class, dims, plain attributes) of an instance -> its probe's verdict: the dims
+proven, or why not."""
+
+
 @dataclass
 class ShortConvFuser(BaseFuser):
     """`out_proj(C * conv(B * x))`, `[B|C|x] = in_proj(h)` -> vLLM's `ShortConv`.
@@ -86,9 +95,6 @@ class ShortConvFuser(BaseFuser):
     details_title = "Short convolutions, on vLLM's stateful layers"
     coverage = "mixers"
     needs_graph = False
-
-    verdicts: dict = field(default_factory=dict, repr=False, compare=False)
-    """Probe verdicts (the dims, or why not) per instance signature."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -125,11 +131,11 @@ class ShortConvFuser(BaseFuser):
             for name, value in vars(module).items()
             if not name.startswith("_") and isinstance(value, int | float | str | tuple)
         )
-        signature = (type(module), found, attributes)
-        if signature not in self.verdicts:
-            with torch.device("cpu"):
-                self.verdicts[signature] = _prove(module, found)
-        return self.verdicts[signature]
+        # On the CPU whatever the default device (the report builds on `meta`).
+        with torch.device("cpu"):
+            return _verdicts.get(
+                (type(module), found, attributes), lambda: _prove(module, found)
+            )
 
     def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
         if not vllm_config.model_config.is_hybrid:
