@@ -25,7 +25,6 @@ from vllm.model_executor.models.transformers.routing import (
     reference_route,
     vllm_router_forward,
 )
-from vllm.model_executor.models.transformers.tracing import flatten
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -287,7 +286,7 @@ def _same_choice(
 ) -> bool:
     """Whether two router outputs agree: logits equal, and per token the same
     experts with the same weights (in any order: the experts sum over them)."""
-    ids_at, weights_at = roles.index("ids"), roles.index("weights")
+    ids_at = roles.index("ids")
     order_e = expected[ids_at].argsort(dim=-1)
     order_g = got[ids_at].argsort(dim=-1)
     for at, role in enumerate(roles):
