@@ -19,7 +19,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLine
 from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
 from vllm.model_executor.models.transformers.fuser import key as registry_key
 from vllm.model_executor.models.transformers.fusers import AttentionFuser, QKVFuser
-from vllm.model_executor.models.transformers.fusers.qkv import HeadLayout
+from vllm.model_executor.models.transformers.fusers.heads import HeadLayout
 
 HIDDEN, HEAD = 32, 8
 

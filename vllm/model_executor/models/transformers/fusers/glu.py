@@ -9,25 +9,27 @@ from typing import TYPE_CHECKING, Self
 
 import torch.nn.functional as F
 from torch import fx, nn
-
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-from vllm.model_executor.models.transformers import fx_utils
-from vllm.model_executor.models.transformers import linears
-from vllm.model_executor.models.transformers.layer_classes import act_and_mul
-from vllm.model_executor.models.transformers import rewriting
-from vllm.model_executor.models.transformers import tracing
+
+from vllm.model_executor.models.transformers import (
+    fx_utils,
+    linears,
+    rewriting,
+    tracing,
+)
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
     FusionDeclined,
     ProbeResults,
     StackedFuser,
 )
-from vllm.model_executor.models.transformers.fusers.qkv import (
+from vllm.model_executor.models.transformers.fusers.projections import (
     called_once,
     children_between,
     row_parallel,
     whole_width,
 )
+from vllm.model_executor.models.transformers.layer_classes import act_and_mul
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 
 if TYPE_CHECKING:

@@ -11,20 +11,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
 from torch import fx, nn
-
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
 )
-from vllm.model_executor.models.transformers import fx_utils
-from vllm.model_executor.models.transformers import rewriting
-from vllm.model_executor.models.transformers import tracing
+
+from vllm.model_executor.models.transformers import fx_utils, rewriting, tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     AttentionNeeds,
     FusionDeclined,
     StackedFuser,
 )
-from vllm.model_executor.models.transformers.fusers.qkv import called_once, row_parallel
+from vllm.model_executor.models.transformers.fusers.projections import (
+    called_once,
+    row_parallel,
+)
 from vllm.model_executor.models.transformers.fusers.rms_norm import RMSNormFuser
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
 from vllm.model_executor.models.transformers.utils import replace_linear_class

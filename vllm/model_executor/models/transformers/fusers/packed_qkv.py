@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers import fx_utils
-from vllm.model_executor.models.transformers import linears
-from vllm.model_executor.models.transformers import rewriting
+from vllm.model_executor.models.transformers import fx_utils, linears, rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     RewriteFuser,
@@ -19,14 +17,14 @@ from vllm.model_executor.models.transformers.fusers.base import (
 from vllm.model_executor.models.transformers.fusers.heads import (
     HEAD_SIZE_ATTRIBUTES,
     NUM_HEADS_ATTRIBUTES,
+    HeadLayout,
+    PerInstanceHeads,
     attention_roles,
     attribute_holding,
     heads_at,
     resolve,
 )
-from vllm.model_executor.models.transformers.fusers.qkv import (
-    HeadLayout,
-    PerInstanceHeads,
+from vllm.model_executor.models.transformers.fusers.projections import (
     called_once,
     children_between,
     output_projection,

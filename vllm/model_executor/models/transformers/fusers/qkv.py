@@ -2,254 +2,37 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Separate query, key and value projections, stacked into one `QKVParallelLinear`."""
 
-import ast
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
-import torch
 from torch import fx, nn
 
-from vllm.model_executor.layers.linear import QKVParallelLinear
-from vllm.model_executor.models.transformers import fx_utils
-from vllm.model_executor.models.transformers import linears
-from vllm.model_executor.models.transformers import rewriting
+from vllm.model_executor.models.transformers import fx_utils, linears, rewriting
 from vllm.model_executor.models.transformers.fusers.base import (
     FusionDeclined,
     StackedFuser,
 )
 from vllm.model_executor.models.transformers.fusers.heads import (
     HEAD_SIZE_ATTRIBUTES,
+    HeadLayout,
+    PerInstanceHeads,
     attention_roles,
     attribute_holding,
     heads_at,
     resolve,
 )
+from vllm.model_executor.models.transformers.fusers.projections import (
+    called_once,
+    children_between,
+    output_projection,
+    row_parallel,
+    whole_width,
+    whole_width_reason,
+)
 from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Span
-from vllm.model_executor.models.transformers.utils import replace_linear_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """Heads of one attention instance, as `QKVParallelLinear` takes them."""
-
-    head_size: int
-    num_heads: int
-    num_kv_heads: int
-    v_head_size: int
-
-    @classmethod
-    def of(cls, q_size: int, k_size: int, v_size: int, head_size: int) -> "HeadLayout":
-        """The layout of projections of these widths; `FusionDeclined` saying why
-        when they are not whole heads."""
-        if head_size <= 0 or q_size % head_size or k_size % head_size:
-            raise FusionDeclined(
-                f"query width {q_size} and key width {k_size} are not whole heads "
-                f"of {head_size}"
-            )
-        num_heads, num_kv_heads = q_size // head_size, k_size // head_size
-        if num_heads % num_kv_heads or v_size % num_kv_heads:
-            raise FusionDeclined(
-                f"{num_heads} query heads, {num_kv_heads} key heads and value width "
-                f"{v_size} do not group into key/value heads"
-            )
-        return cls(head_size, num_heads, num_kv_heads, v_size // num_kv_heads)
-
-    def check_divides(self, tp_size: int) -> None:
-        """`FusionDeclined` unless `tp_size` ranks can share these heads."""
-        kv, heads = self.num_kv_heads, self.num_heads
-        if heads % tp_size or (kv % tp_size if kv >= tp_size else tp_size % kv):
-            raise FusionDeclined(
-                f"{heads} query / {kv} key-value heads do not split over "
-                f"{tp_size} ranks"
-            )
-
-    def qkv_linear(
-        self, hidden_size: int, bias: bool, prefix: str, vllm_config: "VllmConfig"
-    ) -> QKVParallelLinear:
-        return QKVParallelLinear(
-            hidden_size=hidden_size,
-            head_size=self.head_size,
-            total_num_heads=self.num_heads,
-            total_num_kv_heads=self.num_kv_heads,
-            bias=bias,
-            quant_config=vllm_config.quant_config,
-            prefix=prefix,
-            return_bias=False,
-            v_head_size=self.v_head_size,
-        )
-
-
-_RESHAPES = frozenset({"view", "reshape", "unflatten", "expand"})
-
-
-@functools.cache
-def reshaped_with(cls: type[nn.Module]) -> tuple[str, ...]:
-    """The attributes (`num_heads`, `config.hidden_size`) `cls`'s forward reshapes
-    with: read in the arguments of a `view`, `reshape`, `unflatten` or `expand`, or
-    in a local they are handed (`shape = (b, t, self.num_heads, -1)`)."""
-    source = rewriting.forward_source(cls)
-    if source is None:
-        return ()
-    values: dict[str, list[ast.expr]] = {}
-    for node in ast.walk(source.tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    values.setdefault(target.id, []).append(node.value)
-    found: dict[str, None] = {}
-    calls = sorted(
-        (n for n in ast.walk(source.tree) if isinstance(n, ast.Call)),
-        key=lambda n: (n.lineno, n.col_offset),
-    )
-    for call in calls:
-        if not (isinstance(call.func, ast.Attribute) and call.func.attr in _RESHAPES):
-            continue
-        pending = [*call.args, *(k.value for k in call.keywords)]
-        seen: set[str] = set()
-        while pending:
-            expression = pending.pop()
-            for node in ast.walk(expression):
-                path = []
-                while isinstance(node, ast.Attribute):
-                    path.append(node.attr)
-                    node = node.value
-                if path and isinstance(node, ast.Name) and node.id == "self":
-                    found[".".join(reversed(path))] = None
-                elif isinstance(node, ast.Name) and node.id not in seen:
-                    seen.add(node.id)
-                    pending.extend(values.get(node.id, []))
-    return tuple(found)
-
-
-class PerInstanceHeads:
-    """What the fusers building a `QKVParallelLinear` share: each instance reads its
-    own heads, and takes the fusion only if they split over the TP ranks and its
-    forward reshapes with no count or width of all its heads (Baichuan's and
-    StableLM's `.view(batch, tokens, self.num_heads, head_dim)`)."""
-
-    def layout(self, module: nn.Module) -> HeadLayout:
-        raise NotImplementedError
-
-    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        try:
-            layout = self.layout(module)
-            layout.check_divides(tp_size)
-        except FusionDeclined as reason:
-            return str(reason)
-        if tp_size == 1:
-            return None
-        q_size = layout.num_heads * layout.head_size
-        kv_size = layout.num_kv_heads * layout.head_size
-        whole = {
-            layout.num_heads,
-            layout.num_kv_heads,
-            q_size,
-            kv_size,
-            layout.num_kv_heads * layout.v_head_size,
-            q_size + 2 * kv_size,
-        }
-        for path in reshaped_with(type(module)):
-            value = resolve(module, path)
-            if path in HEAD_SIZE_ATTRIBUTES or type(value) is not int:
-                continue
-            if value in whole:
-                return (
-                    f"its forward reshapes with self.{path} ({value}), a count or "
-                    f"width of all its heads, where each of {tp_size} tensor-parallel "
-                    "ranks would hold only its share of them"
-                )
-        return None
-
-
-def output_projection(graph: fx.Graph, module: nn.Module) -> fx.Node | str | None:
-    """The one linear applied to the attention output; `None` when the module has
-    none (the output leaves it), or why the one it has cannot be used."""
-    output = fx_utils.linear_fed_by(fx_utils.attention_node(graph), module)
-    if output is None:
-        return None
-    if "." in output.target:
-        return f"the output projection {output.target} is not a direct child"
-    return output
-
-
-def row_parallel(
-    module: nn.Module, name: str, prefix: str, vllm_config: "VllmConfig"
-) -> None:
-    """Swap `module.<name>` for a row-parallel linear: it reads what a column-parallel
-    fusion leaves sharded across ranks."""
-    linear = replace_linear_class(
-        getattr(module, name),
-        "rowwise",
-        vllm_config.quant_config,
-        prefix=f"{prefix}.{name}",
-    )
-    setattr(module, name, linear)
-
-
-def _reads_one_head(node: fx.Node, head_size: int) -> bool:
-    """Whether the child `node` calls reads features one head wide (per head)."""
-    features = fx_utils.value(node.args[0]) if node.args else None
-    return isinstance(features, torch.Tensor) and features.shape[-1] == head_size
-
-
-def whole_width(
-    module: nn.Module, children: tuple[tuple[str, bool], ...]
-) -> tuple[str, ...]:
-    """Those of `children` (name, whether the code hands it one head at a time)
-    that on this instance hold weights over more than one head: a norm over all
-    heads together (OLMo 2's q/k norms), wrong on one rank's share of them."""
-    found = []
-    for name, per_head in children:
-        child = getattr(module, name, None)
-        if not isinstance(child, nn.Module) or per_head or name in found:
-            continue
-        if any(True for _ in child.parameters()):
-            found.append(name)
-    return tuple(found)
-
-
-def children_between(
-    start: fx.Node, end: fx.Node, module: nn.Module, head_size: int = 0
-) -> tuple[tuple[str, bool], ...]:
-    """The children called between `start` and `end` (neither included), each with
-    whether the code hands it one head (`head_size` features) at a time."""
-    return tuple(
-        (node.target, _reads_one_head(node, head_size))
-        for node in sorted(fx_utils.between(start, end) - {end}, key=lambda n: n.name)
-        if fx_utils.submodule(node, module) is not None
-    )
-
-
-def whole_width_reason(
-    module: nn.Module, children: tuple[tuple[str, bool], ...], output: str
-) -> str | None:
-    """Why one rank's share of the heads cannot go through `children` on their way
-    to `output` (a row-parallel projection): those that hold weights over more than
-    one head act on a width each rank holds only a share of (BitNet's
-    `attn_sub_norm`, a norm over the whole attention output)."""
-    if found := whole_width(module, children):
-        return (
-            f"{', '.join(found)} act on the whole width between the attention and "
-            f"{output}, of which each tensor-parallel rank holds only its share"
-        )
-    return None
-
-
-def called_once(graph: fx.Graph, names: list[str]) -> str | None:
-    """Why the children `names` cannot be fused as called, `None` if each is a direct
-    child called once."""
-    for name in names:
-        if "." in name:
-            return f"{name} is not a direct child"
-        calls = sum(n.op == "call_module" and n.target == name for n in graph.nodes)
-        if calls != 1:
-            return f"{name} is called {calls} times"
-    return None
-
 
 @dataclass
 class QKVFuser(PerInstanceHeads, StackedFuser):
