@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer
-
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFunc,
@@ -26,15 +24,20 @@ from vllm.model_executor.models.interfaces import (
     IsHybrid,
     SupportsMambaPrefixCaching,
 )
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer
 from vllm.model_executor.models.transformers.attention import (
     AttentionSite,
     cache_state_use,
 )
 from vllm.model_executor.models.transformers.base import build_hf_model
 from vllm.model_executor.models.transformers.causal import CausalMixin
-from vllm.model_executor.models.transformers.fusers import mamba2, short_conv
+from vllm.model_executor.models.transformers.fusers import (
+    Mamba2MixerFuser,
+    ShortConvFuser,
+)
 from vllm.model_executor.models.transformers.mixers import MixerDims
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,7 +57,7 @@ RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid
 (`vllm_transformers_overlay/routing.py`, standing for vLLM's config code) names
 the hybrid class for a config declaring any of them."""
 
-MIXER_STATES = (mamba2.mixer_state, short_conv.mixer_state)
+MIXER_STATES = (Mamba2MixerFuser.state_of, ShortConvFuser.state_of)
 """Per mixer fuser: a module's dims on vLLM's layer, why it cannot be, or `None`
 when the module is no mixer of that kind."""
 STATE_COPY_FUNCS: dict[MambaAttentionBackendEnum, tuple[MambaStateCopyFunc, ...]] = {

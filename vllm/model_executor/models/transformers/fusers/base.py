@@ -19,6 +19,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
+import torch
 from torch import fx, nn
 
 # Defined where the core reads them (a leaf module, and beside the rewrites that raise
@@ -247,3 +248,73 @@ class StackedFuser(RewriteFuser):
             f"Fused: {' + '.join(self.shards)} ({name}: {type(module).__name__}) -> "
             f"{self.fused_name} ({type(merged).__name__})"
         )
+
+
+_mixer_verdicts = ProbeResults()
+"""(fuser, module class, dims, plain attributes) of a mixer -> its probe's verdict:
+the dims proven, or why not."""
+
+
+class MixerFuser(BaseFuser):
+    """What the fusers that put a mixer on one of vLLM's stateful layers share: the
+    dims vLLM's layer would be built with, read off each instance's tensors
+    (`measure`) and proven on a float64 probe against the module itself (`prove`),
+    once per module class, dims and plain attributes; served only by a model class
+    vLLM keeps state for, and only where the layer splits over the ranks (`unfit`)."""
+
+    needs_graph: ClassVar[bool] = False
+
+    @staticmethod
+    def measure(module: nn.Module) -> Any:
+        """The dims from the module's tensors (not yet proven), or why they do not
+        fit the layer."""
+        raise NotImplementedError
+
+    @staticmethod
+    def prove(module: nn.Module, dims: Any) -> Any:
+        """`dims` as the probe proves them (or corrects them), or why not."""
+        raise NotImplementedError
+
+    def unfit(
+        self, module: nn.Module, dims: Any, vllm_config: "VllmConfig"
+    ) -> str | None:
+        """Why this engine cannot run the proven layer (its ranks, its chunking)."""
+        return None
+
+    @classmethod
+    def state_of(cls, module: nn.Module) -> Any:
+        """What the layer would be built with for `module` (its state's size), why
+        it cannot be, or `None` when `module` is no such mixer: read before a model
+        is built, to size vLLM's state cache."""
+        matched = cls.match(None, module)
+        if matched is None:
+            return None
+        if isinstance(matched, Declined):
+            return matched.reason
+        return cls.measure(module)
+
+    def dims(self, module: nn.Module) -> Any:
+        """The instance's dims as its probe proved them, or why it cannot be."""
+        found = self.measure(module)
+        if isinstance(found, str):
+            return found
+        attributes = tuple(
+            (name, value)
+            for name, value in vars(module).items()
+            if not name.startswith("_") and isinstance(value, int | float | str | tuple)
+        )
+        key = (type(self), type(module), found, attributes)
+        # On the CPU whatever the default device (the report builds on `meta`).
+        with torch.device("cpu"):
+            return _mixer_verdicts.get(key, lambda: self.prove(module, found))
+
+    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
+        if not vllm_config.model_config.is_hybrid:
+            return (
+                "vLLM keeps no state for this model: it is served by a class that is "
+                "not hybrid (vLLM named the class without the overlay's routing)"
+            )
+        found = self.dims(module)
+        if isinstance(found, str):
+            return found
+        return self.unfit(module, found, vllm_config)

@@ -8,13 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
-import torch
 from torch import fx, nn
 
 from vllm.model_executor.models.transformers.fusers.base import (
-    BaseFuser,
     Declined,
-    ProbeResults,
+    MixerFuser,
 )
 from vllm.model_executor.models.transformers.mixers import (
     Mamba2Dims,
@@ -97,25 +95,8 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     )
 
 
-def mixer_state(module: nn.Module) -> Mamba2Dims | str | None:
-    """What `MambaMixer2` would be built with for `module` (its state's size), why
-    it cannot be, or `None` when `module` is no Mamba-2 mixer: read before a model
-    is built, to size vLLM's state cache."""
-    matched = Mamba2MixerFuser.match(None, module)
-    if matched is None:
-        return None
-    if isinstance(matched, Declined):
-        return matched.reason
-    return mixer_dims(module)
-
-
-_verdicts = ProbeResults()
-"""(class, dims, plain attributes) of an instance -> its probe's verdict: the dims
-proven, or why not."""
-
-
 @dataclass
-class Mamba2MixerFuser(BaseFuser):
+class Mamba2MixerFuser(MixerFuser):
     """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
 
     The module's shapes and what it holds (heads, groups, kernel, biases, eps,
@@ -131,7 +112,6 @@ class Mamba2MixerFuser(BaseFuser):
     kind = "mamba2"
     details_title = "State-space mixers, on vLLM's stateful layers"
     coverage = "mixers"
-    needs_graph = False
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -164,31 +144,15 @@ class Mamba2MixerFuser(BaseFuser):
             return cls.decline(module, "it has no layer_idx to find its state by")
         return cls()
 
-    def dims(self, module: nn.Module) -> Mamba2Dims | str:
-        """The instance's dims as its probe proved them, or why it cannot be."""
-        found = mixer_dims(module)
-        if isinstance(found, str):
-            return found
-        attributes = tuple(
-            (name, value)
-            for name, value in vars(module).items()
-            if not name.startswith("_") and isinstance(value, int | float | str | tuple)
-        )
-        # On the CPU whatever the default device (the report builds on `meta`).
-        with torch.device("cpu"):
-            return _verdicts.get(
-                (type(module), found, attributes), lambda: _prove(module, found)
-            )
+    measure = staticmethod(mixer_dims)
 
-    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
-        if not vllm_config.model_config.is_hybrid:
-            return (
-                "vLLM keeps no state for this model: it is served by a class that is "
-                "not hybrid (vLLM named the class without the overlay's routing)"
-            )
-        found = self.dims(module)
-        if isinstance(found, str):
-            return found
+    @staticmethod
+    def prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
+        return _prove(module, dims)
+
+    def unfit(
+        self, module: nn.Module, found: Mamba2Dims, vllm_config: "VllmConfig"
+    ) -> str | None:
         chunk_size = getattr(module, "chunk_size", None)
         vllm_chunk = vllm_config.model_config.get_mamba_chunk_size()
         if chunk_size is not None and chunk_size != vllm_chunk:

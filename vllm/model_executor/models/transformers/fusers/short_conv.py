@@ -8,13 +8,11 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
-import torch
 from torch import fx, nn
 
 from vllm.model_executor.models.transformers.fusers.base import (
-    BaseFuser,
     Declined,
-    ProbeResults,
+    MixerFuser,
 )
 from vllm.model_executor.models.transformers.mixers import (
     ShortConvDims,
@@ -60,25 +58,8 @@ def mixer_dims(module: nn.Module) -> ShortConvDims | str:
     return ShortConvDims(hidden_size=hidden, conv_kernel=kernel, use_bias=biases.pop())
 
 
-def mixer_state(module: nn.Module) -> ShortConvDims | str | None:
-    """What `ShortConv` would be built with for `module` (its state's size), why it
-    cannot be, or `None` when `module` is no short convolution: read before a model
-    is built, to size vLLM's state cache."""
-    matched = ShortConvFuser.match(None, module)
-    if matched is None:
-        return None
-    if isinstance(matched, Declined):
-        return matched.reason
-    return mixer_dims(module)
-
-
-_verdicts = ProbeResults()
-"""(class, dims, plain attributes) of an instance -> its probe's verdict: the dims
-proven, or why not."""
-
-
 @dataclass
-class ShortConvFuser(BaseFuser):
+class ShortConvFuser(MixerFuser):
     """`out_proj(C * conv(B * x))`, `[B|C|x] = in_proj(h)` -> vLLM's `ShortConv`.
 
     The module's shapes (width, kernel, biases) say how vLLM's layer is built; a
@@ -94,7 +75,6 @@ class ShortConvFuser(BaseFuser):
     kind = "short_conv"
     details_title = "Short convolutions, on vLLM's stateful layers"
     coverage = "mixers"
-    needs_graph = False
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -121,31 +101,15 @@ class ShortConvFuser(BaseFuser):
             return cls.decline(module, "it has no layer_idx to find its state by")
         return cls()
 
-    def dims(self, module: nn.Module) -> ShortConvDims | str:
-        """The instance's dims as its probe proved them, or why it cannot be."""
-        found = mixer_dims(module)
-        if isinstance(found, str):
-            return found
-        attributes = tuple(
-            (name, value)
-            for name, value in vars(module).items()
-            if not name.startswith("_") and isinstance(value, int | float | str | tuple)
-        )
-        # On the CPU whatever the default device (the report builds on `meta`).
-        with torch.device("cpu"):
-            return _verdicts.get(
-                (type(module), found, attributes), lambda: _prove(module, found)
-            )
+    measure = staticmethod(mixer_dims)
 
-    def mismatch(self, module: nn.Module, vllm_config: "VllmConfig") -> str | None:
-        if not vllm_config.model_config.is_hybrid:
-            return (
-                "vLLM keeps no state for this model: it is served by a class that is "
-                "not hybrid (vLLM named the class without the overlay's routing)"
-            )
-        found = self.dims(module)
-        if isinstance(found, str):
-            return found
+    @staticmethod
+    def prove(module: nn.Module, dims: ShortConvDims) -> ShortConvDims | str:
+        return _prove(module, dims)
+
+    def unfit(
+        self, module: nn.Module, found: ShortConvDims, vllm_config: "VllmConfig"
+    ) -> str | None:
         tp = vllm_config.parallel_config.tensor_parallel_size
         if found.hidden_size % tp:
             return (
