@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import fx, nn
 
 from vllm.logger import init_logger
-from vllm.model_executor.models.transformers import tracing
+from vllm.model_executor.models.transformers import rewriting, tracing
 from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
 from vllm.model_executor.models.transformers.fusers.base import (
     BaseFuser,
@@ -57,12 +57,8 @@ _CONDITIONS = (ast.If, ast.IfExp, ast.While, ast.Assert)
 def _self_paths(expression: ast.AST) -> Iterator[str]:
     """`a.b` for each `self.a.b` read in `expression`."""
     for node in ast.walk(expression):
-        path = []
-        while isinstance(node, ast.Attribute):
-            path.append(node.attr)
-            node = node.value
-        if path and isinstance(node, ast.Name) and node.id == "self":
-            yield ".".join(reversed(path))
+        if (path := rewriting.self_attribute_path(node)) is not None:
+            yield path
 
 
 def _tests(function: ast.AST) -> Iterator[ast.expr]:

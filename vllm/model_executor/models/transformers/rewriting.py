@@ -148,6 +148,17 @@ def _writes_in_place(tree: ast.AST) -> bool:
     return False
 
 
+def self_attribute_path(node: ast.AST) -> str | None:
+    """`a.b` where `node` reads `self.a.b`, else `None`."""
+    path = []
+    while isinstance(node, ast.Attribute):
+        path.append(node.attr)
+        node = node.value
+    if path and isinstance(node, ast.Name) and node.id == "self":
+        return ".".join(reversed(path))
+    return None
+
+
 def is_self_attribute(node: ast.AST, name: str | None = None) -> bool:
     return (
         isinstance(node, ast.Attribute)

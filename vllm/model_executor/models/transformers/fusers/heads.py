@@ -167,12 +167,8 @@ def reshaped_with(cls: type[nn.Module]) -> tuple[str, ...]:
         while pending:
             expression = pending.pop()
             for node in ast.walk(expression):
-                path = []
-                while isinstance(node, ast.Attribute):
-                    path.append(node.attr)
-                    node = node.value
-                if path and isinstance(node, ast.Name) and node.id == "self":
-                    found[".".join(reversed(path))] = None
+                if (path := rewriting.self_attribute_path(node)) is not None:
+                    found[path] = None
                 elif isinstance(node, ast.Name) and node.id not in seen:
                     seen.add(node.id)
                     pending.extend(values.get(node.id, []))
