@@ -3,8 +3,9 @@
 0 and 2, attention in 1 and 3, a mixture of experts in every layer; every 1-D
 parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and norm
 weight included) answers as Transformers does, and as vLLM's native model does;
-so do a tiny Bamba (Mamba-2, two B/C groups) and a tiny LFM2 (short convolutions,
-their biases perturbed).
+so do a tiny Bamba (Mamba-2, two B/C groups), a tiny Nemotron-H (Mamba-2 with clamped
+time steps, non-gated experts) and a tiny LFM2 (short convolutions, their biases
+perturbed).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
 split into chunks, each continuing from the state the one before left in vLLM's
@@ -32,14 +33,17 @@ def reference(model: str = MODEL) -> tuple[tiny.Completion, ...]:
 
 @functools.cache
 def engine(
-    impl: str, tensor_parallel_size: int = 1, model: str = MODEL
+    impl: str,
+    tensor_parallel_size: int = 1,
+    model: str = MODEL,
+    chunked: bool = True,
 ) -> tiny.EngineRun:
     return tiny.run_engine(
         tiny.checkpoint(model),
         PROMPTS,
         probe=impl == "project",
         tensor_parallel_size=tensor_parallel_size,
-        llm_kwargs=BATCHING,
+        llm_kwargs=BATCHING if chunked else {"max_num_seqs": BATCHING["max_num_seqs"]},
         **tiny.IMPLS[impl],
     )
 
@@ -87,6 +91,21 @@ def test_grouped_mixers_with_a_norm_over_the_whole_width_equal_transformers():
     gap = tiny.compare(reference("bamba"), run.completions, tiny.logprob_atol("bamba"))
     tiny.report("bamba (project, chunked prefill) vs Transformers", run, gap)
     assert "2 B/C group(s) of state 16, kernel 4, gated norm over 1 group(s)" in run.log
+
+
+def test_clamped_time_steps_and_kept_experts_equal_transformers():
+    # Nemotron-H clamps its time steps from below (`time_step_min`, 0.05 in the
+    # tiny model, so that the clamp moves the output) in a prompt and not in a
+    # decoding step; its non-gated experts stay Transformers' own, loaded from the
+    # checkpoint's per-expert tensors. Prompts are prefilled whole: vLLM runs a
+    # prompt's last chunk of one token on its decoding path, unclamped
+    # (docs/hybrid.md), where Transformers' `generate` clamps the whole prompt.
+    tiny.check_feature_changes_output("nemotron_h", time_step_min=0.0)
+    run = engine("project", model="nemotron_h", chunked=False)
+    atol = tiny.logprob_atol("nemotron_h")
+    gap = tiny.compare(reference("nemotron_h"), run.completions, atol)
+    tiny.report("nemotron_h (project) vs Transformers", run, gap)
+    assert "gated norm over 2 group(s), time steps clamped to (0.05, inf)" in run.log
 
 
 def test_short_convolutions_on_vllm_equal_transformers():

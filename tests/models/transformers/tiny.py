@@ -447,6 +447,25 @@ ARCHS: dict[str, dict[str, Any]] = {
         mamba_d_state=16,
         mamba_n_groups=2,
     ),
+    # Nemotron-H: a Mamba-2 mixer (8 heads of 32 in 2 B/C groups, its norm per
+    # group, its time steps clamped from `time_step_min` in a prefill: 0.05, not
+    # 0.001, so that the clamp moves the output), attention, a second mixer and a
+    # mixture of non-gated (relu²) experts, one per layer.
+    "nemotron_h": dict(
+        time_step_min=0.05,
+        time_step_max=0.2,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "moe"],
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        n_groups=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64,
+        n_group=1,
+        topk_group=1,
+    ),
     # LFM2: short convolutions (kernel 3, with biases) in layers 0 and 2, attention
     # (q and k normed per head) in 1 and 3, tied embeddings; `conv_dim` and
     # `block_dim` as LiquidAI's checkpoints carry them (vLLM's native model reads
@@ -749,7 +768,7 @@ def greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[Completi
         assert len(token_ids) == max_tokens, "Transformers stopped early"
         logprobs, margins = [], []
         for token, logits in zip(token_ids, out.logits):
-            logits = logits[0].float()
+            logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32))
             assert int(torch.argmax(logits)) == token
             logprobs.append(torch.log_softmax(logits, dim=-1)[token].item())
             top2 = torch.topk(logits, 2).values
@@ -1301,8 +1320,10 @@ float32 against float64 already does); a wrong scale, window or cap moves them b
 @functools.cache
 def float32_noise(model_type: str) -> float:
     """How far the float32 reference's logprobs lie from the same checkpoint's in
-    float64 (teacher-forced on the reference's tokens): the rounding error any float32
-    implementation of it carries, in either direction."""
+    float64, decoded the same way (the prompt at once, then one token at a time:
+    some models compute the two differently, Nemotron-H's mixers clamp their time
+    steps in a prompt only): the rounding error any float32 implementation of it
+    carries, in either direction."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -1314,13 +1335,12 @@ def float32_noise(model_type: str) -> float:
         # Transformers' default grouped_mm experts take no float64.
         experts_implementation="eager",
     ).eval()
+    completions = cached_reference(model_type)
+    exact = greedy(model, [c.prompt_ids for c in completions], MAX_TOKENS)
     noise = 0.0
-    for c in cached_reference(model_type):
-        ids = torch.tensor([c.prompt_ids + c.token_ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1]
-        exact = torch.log_softmax(logits, dim=-1)[range(len(c.token_ids)), c.token_ids]
-        noise = max(noise, *(abs(a - b) for a, b in zip(c.logprobs, exact.tolist())))
+    for c, e in zip(completions, exact):
+        assert c.token_ids == e.token_ids, f"{model_type}: float64 decodes otherwise"
+        noise = max(noise, *(abs(a - b) for a, b in zip(c.logprobs, e.logprobs)))
     return noise
 
 

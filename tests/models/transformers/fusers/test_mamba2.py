@@ -2,6 +2,7 @@
 """The Mamba-2 mixer fuser: which mixers vLLM's `MambaMixer2` serves, proven on a
 float64 probe against the module itself, and which it declines, with why."""
 
+import dataclasses
 import math
 
 import pytest
@@ -67,22 +68,39 @@ def test_granite_mixer_is_proven_with_its_norm_over_the_whole_width(n_groups):
 
 def test_a_norm_over_each_group_is_found_by_the_probe():
     # Nemotron-H normalises each of its B/C groups on its own (as vLLM's layer
-    # does by default); its time-step floor is lifted to what vLLM computes.
-    dims = proven(nemotron_mixer(time_step_min=0.0))
+    # does by default).
+    dims = proven(nemotron_mixer())
     assert isinstance(dims, Mamba2Dims), dims
     assert (dims.n_groups, dims.norm_groups) == (2, 2)
 
 
 @pytest.mark.parametrize(
-    "mixer",
+    ("mixer", "limit"),
     [
-        lambda: granite_mixer(time_step_limit=(0.001, math.inf)),
-        nemotron_mixer,  # clamps its time steps from `time_step_min` (0.001)
+        (lambda: granite_mixer(time_step_limit=(0.001, 2.0)), (0.001, 2.0)),
+        (nemotron_mixer, (0.001, math.inf)),  # raised to `time_step_min`
+        (lambda: nemotron_mixer(time_step_min=0.0), (0.0, math.inf)),
     ],
 )
-def test_a_time_step_limit_vllm_does_not_apply_is_declined(mixer):
+def test_the_time_step_limit_is_proven_and_kept(mixer, limit):
     dims = proven(mixer())
-    assert isinstance(dims, str) and "clamps its time steps to (0.001, inf)" in dims
+    assert isinstance(dims, Mamba2Dims), dims
+    assert dims.time_step_limit == limit
+
+
+def test_the_probe_sees_a_clamp_the_limit_does_not_name():
+    # The limit is read from `time_step_limit`; the probe must show a module that
+    # clamps otherwise: on it, Nemotron-H's mixer differs from the unclamped layer.
+    mixer = nemotron_mixer()
+    dims = proven(mixer)
+    unclamped = dataclasses.replace(dims, time_step_limit=(0.0, math.inf))
+    why = Mamba2MixerFuser.prove(mixer, unclamped)
+    assert isinstance(why, str) and "clamped to (0.0, inf)" in why, why
+
+
+def test_a_time_step_limit_that_is_no_range_is_declined():
+    dims = proven(granite_mixer(time_step_limit=(0.1, 0.01)))
+    assert isinstance(dims, str) and "no range of positive time steps" in dims
 
 
 def test_a_mixer_that_computes_otherwise_is_declined_saying_where_it_differs():

@@ -326,6 +326,7 @@ class CheckpointLayout:
         skipped: set[str] = set()
         shards: dict[str, set[ShardId]] = {}
         """Fused parameter -> the shards the checkpoint filled."""
+        experts = _KeptStackedExperts(dict(model.named_parameters()))
 
         def skip(reason: str, name: str) -> None:
             if reason not in skipped:
@@ -348,6 +349,8 @@ class CheckpointLayout:
                 name = quantisation.map_name(original)
                 if name is None:
                     skip(quantisation.dropped, original)
+                    continue
+                if name not in loadable and experts.load(name, tensor):
                     continue
                 if name not in loadable and not name.startswith(
                     elsewhere + self_loading
@@ -374,6 +377,7 @@ class CheckpointLayout:
         loaded = AutoWeightsLoader(model).load_weights(
             checked(mapper.apply(needed(weights)))
         )
+        loaded |= experts.filled()
         self._check_complete(model, loaded, shards, every_parameter)
         return loaded
 
@@ -476,6 +480,60 @@ def _read(
             ) from error
         last = name
         yield name, tensor
+
+
+class _KeptStackedExperts:
+    """Loads per-expert checkpoint tensors (`<experts>.<e>.<parameter>.<shard>`, as
+    `_per_expert_names` renames them) into the experts parameters Transformers
+    stacks them into, where those stay Transformers' own (experts vLLM's fused MoE
+    does not serve, such as Nemotron-H's non-gated ones): expert `e`'s matrix is
+    `parameter[e]`, its shards (`Concatenate(dim=1)`) one after another along its
+    rows, in their order."""
+
+    _NAME = re.compile(
+        r"^(?P<experts>.+)\.(?P<expert>\d+)\.(?P<parameter>[^.]+)\.(?P<shard>\d+)$"
+    )
+
+    def __init__(self, parameters: dict[str, nn.Parameter]):
+        self.parameters = parameters
+        self.rows: dict[str, dict[tuple[int, int], int]] = {}
+        """Parameter -> the (expert, shard) matrices loaded into it, their rows."""
+
+    def load(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load `tensor` if `name` is a part of a kept stacked experts parameter."""
+        found = self._NAME.match(name)
+        if found is None:
+            return False
+        target = f"{found['experts']}.{found['parameter']}"
+        parameter = self.parameters.get(target)
+        if parameter is None or parameter.ndim != 3:
+            return False
+        expert, shard = int(found["expert"]), int(found["shard"])
+        rows = tensor.shape[0]
+        start = shard * rows
+        if tensor.ndim != 2 or expert >= parameter.shape[0] or (
+            start + rows > parameter.shape[1] or tensor.shape[1] != parameter.shape[2]
+        ):
+            raise ValueError(
+                f"Checkpoint tensor {name!r} of shape {list(tensor.shape)} does not "
+                f"fit expert {expert}'s shard {shard} of {target!r} "
+                f"{list(parameter.shape)}."
+            )
+        parameter.data[expert, start : start + rows].copy_(tensor)
+        self.rows.setdefault(target, {})[(expert, shard)] = rows
+        return True
+
+    def filled(self) -> set[str]:
+        """The parameters whose every expert's rows the checkpoint filled."""
+        full = set()
+        for target, parts in self.rows.items():
+            parameter = self.parameters[target]
+            per_expert = [0] * parameter.shape[0]
+            for (expert, _), rows in parts.items():
+                per_expert[expert] += rows
+            if all(rows == parameter.shape[1] for rows in per_expert):
+                full.add(target)
+        return full
 
 
 def _per_expert_names(conversions: list) -> dict[re.Pattern, str]:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_mixer2 import (
     MambaMixer2,
@@ -67,6 +68,13 @@ class Mamba2Dims:
     norm_groups: int
     """How many groups the gated RMSNorm normalises separately: 1 (Granite 4.0,
     Bamba, Mamba-2) or the B/C group count (Nemotron-H, Zamba2)."""
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    """What the time steps `softplus(dt + dt_bias)` are clamped to (Nemotron-H and
+    Zamba2 raise them to `time_step_min`)."""
+
+    @property
+    def clamps_time_steps(self) -> bool:
+        return self.time_step_limit != (0.0, math.inf)
 
     @property
     def conv_dim(self) -> int:
@@ -167,6 +175,47 @@ class Mamba2Mixer(MambaMixer2):
             self.norm = Mixer2RMSNormGated(
                 dims.intermediate_size, dims.norm_groups, eps=dims.eps
             )
+        low, high = (_softplus_preimage(v) for v in dims.time_step_limit)
+        self.time_step_preimage = (low, high)
+
+    def conv_ssm_forward(
+        self, projected_states: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """vLLM's convolution and scan (run inside its custom op, where the batch's
+        metadata is known), the prefill tokens' time steps clamped first.
+
+        Transformers' mixers, like mamba_ssm's kernels, clamp the time steps in
+        their chunked scan (a prompt) and not in single-token decoding; vLLM's
+        kernels never clamp. The time step is `softplus(dt + dt_bias)` and softplus
+        rises monotonically, so clamping `dt + dt_bias` to the limit's preimage
+        clamps it. vLLM puts the decode tokens first. It runs a prompt's tokens as
+        prefill tokens, except a chunk of one token that continues a sequence's
+        state (the last of a chunked or prefix-cached prompt), which takes its
+        decoding path: unclamped here, as Transformers computes one token fed with
+        its cache."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        prefills = metadata.num_prefills if metadata is not None else 0
+        if self.dims.clamps_time_steps and prefills:
+            projected_states = self._clamp_time_steps(
+                projected_states, metadata.num_decode_tokens
+            )
+        super().conv_ssm_forward(projected_states, output)
+
+    def _clamp_time_steps(
+        self, projected_states: torch.Tensor, first: int
+    ) -> torch.Tensor:
+        """`projected_states` (`[z | xBC | dt]`, this rank's share) with the `dt` of
+        tokens `first:` clamped so that `dt + dt_bias` lies in the limit's
+        preimage."""
+        low, high = self.time_step_preimage
+        heads = self.dt_bias.shape[0]
+        dt_bias = self.dt_bias.to(projected_states.dtype)
+        clamped = projected_states.clone()
+        clamped[first:, -heads:] = torch.clamp(
+            projected_states[first:, -heads:], min=low - dt_bias, max=high - dt_bias
+        )
+        return clamped
 
     def forward(
         self,
@@ -238,6 +287,15 @@ Reference: TypeAlias = Callable[
 """One sequence's tokens and the state before them -> output, state after them."""
 
 
+def _softplus_preimage(value: float) -> float:
+    """The `x` with `softplus(x) == value` (`-inf` for 0, `inf` for `inf`)."""
+    if value == 0.0:
+        return -math.inf
+    if math.isinf(value):
+        return math.inf
+    return value + math.log(-math.expm1(-value))
+
+
 def _causal_conv(
     history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -265,13 +323,16 @@ def mamba2_reference(
     output and the state after the last token.
 
     `in_proj(x) = [z | x B C | dt]`; `x B C` through the causal depthwise
-    convolution and the activation; `dt = softplus(dt + dt_bias)`, unclamped;
+    convolution and the activation; `dt = softplus(dt + dt_bias)`, clamped to
+    `time_step_limit` in a prefill (a first call, or more than one token), not in
+    a decoding step, as Transformers' chunked scan and single-token update do;
     `h = exp(dt A) h + dt x B^T`, `y = h C + D x` with `A = -exp(A_log)` per head
     and B, C shared by the heads of a group; `out_proj(rmsnorm(y * silu(z)))`, the
     norm over `norm_groups` groups."""
     d = dims
     conv_dim, width = d.conv_dim, d.n_groups * d.state_size
     tokens = x.shape[0]
+    prefill = state is None or tokens > 1
     if state is None:
         state = (
             x.new_zeros(d.conv_kernel - 1, conv_dim),
@@ -294,6 +355,8 @@ def mamba2_reference(
     B = B.view(tokens, d.n_groups, d.state_size).repeat_interleave(per_group, 1)
     C = C.view(tokens, d.n_groups, d.state_size).repeat_interleave(per_group, 1)
     dt = F.softplus(dt + tensors["dt_bias"])
+    if prefill:
+        dt = dt.clamp(*d.time_step_limit)
     A = -torch.exp(tensors["A_log"])
     D = tensors["D"]
     h = ssm_state

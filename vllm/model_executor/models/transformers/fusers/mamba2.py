@@ -30,9 +30,16 @@ _OWN_TENSORS = frozenset({"A_log", "D", "dt_bias"})
 _CHILDREN = frozenset({"in_proj", "conv1d", "norm", "out_proj", "act"})
 _ACTIVATIONS = frozenset({"silu", "swish"})
 """What vLLM's causal convolution applies (it takes no other activation)."""
-_PROBE_VALUES = {"A_log": (-1.0, 0.5), "D": (1.0, 0.3), "norm.weight": (1.0, 0.3)}
+_PROBE_VALUES = {
+    "A_log": (-1.0, 0.5),
+    "D": (1.0, 0.3),
+    "norm.weight": (1.0, 0.3),
+    "dt_bias": (-3.0, 3.0),
+}
 """The probe's mean and std for the mixer's own tensors: decays between 0.3 and 1,
-skip and norm weights around 1, so that every part of the mixer matters."""
+skip and norm weights around 1, so that every part of the mixer matters; time-step
+biases from -9 to 3, so that about one time step in ten falls below 0.001 and a
+clamp the module applies (or not) shows."""
 
 
 def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
@@ -47,7 +54,11 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     norm = module.norm
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     activation = getattr(module, "activation", None)
-    limit = tuple(getattr(module, "time_step_limit", (0.0, math.inf)))
+    limit = getattr(module, "time_step_limit", (0.0, math.inf))
+    try:
+        limit = tuple(float(v) for v in limit)
+    except (TypeError, ValueError):
+        return f"its time-step limit {limit!r} is not two numbers"
     if {module.D.shape[0], module.dt_bias.shape[0]} != {num_heads}:
         return "its A_log, D and dt_bias do not hold one value per head each"
     if (conv.groups, conv.stride, conv.dilation, conv.padding) != (
@@ -74,11 +85,8 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
         return f"its convolution's activation is {activation!r}, not silu"
     if not isinstance(eps, float):
         return "its norm holds no epsilon"
-    if limit != (0.0, math.inf):
-        return (
-            f"it clamps its time steps to {limit} (`time_step_limit`), which "
-            "vLLM's MambaMixer2 does not"
-        )
+    if len(limit) != 2 or not 0.0 <= limit[0] < limit[1]:
+        return f"its time-step limit {limit} is no range of positive time steps"
     return Mamba2Dims(
         hidden_size=in_proj.in_features,
         intermediate_size=intermediate,
@@ -92,12 +100,13 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
         eps=eps,
         activation=activation,
         norm_groups=n_groups,
+        time_step_limit=limit,
     )
 
 
 @dataclass
 class Mamba2MixerFuser(MixerFuser):
-    """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), softplus(dt + dt_bias), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
+    """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), clamp(softplus(dt + dt_bias)), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
 
     The module's shapes and what it holds (heads, groups, kernel, biases, eps,
     activation, time-step limit, chunk size) say how vLLM's layer is built; a float64
@@ -181,10 +190,13 @@ class Mamba2MixerFuser(MixerFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         d: Mamba2Dims = module.dims
+        clamp = ""
+        if d.clamps_time_steps:
+            clamp = f", time steps clamped to {d.time_step_limit}"
         return (
             f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
             f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, gated "
-            f"norm over {d.norm_groups} group(s); vLLM MambaMixer2, "
+            f"norm over {d.norm_groups} group(s){clamp}; vLLM MambaMixer2, "
             f"{state_description(module, ('convolution', 'SSM'))}"
         )
 
@@ -208,6 +220,7 @@ def _prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
         worst = min(worst, gap)
     return (
         "on a float64 probe vLLM's MambaMixer2 (silu-gated RMSNorm over 1 or "
-        f"{dims.n_groups} groups, softplus time steps, unclamped) differs from it "
+        f"{dims.n_groups} groups, softplus time steps clamped to "
+        f"{dims.time_step_limit}) differs from it "
         f"by {worst[0]:.3g} (relative) in {worst[1]}"
     )
