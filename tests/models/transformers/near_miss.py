@@ -5,7 +5,9 @@ else, or the same thing written another way.
 
 Each `NearMiss` says what must become of it: declined by its fuser with a reason (a
 part of it given), refused when vLLM's attention is built for it (an argument it
-cannot honour), or fused and computing the same (`declined` and `refused` None)."""
+cannot honour), or fused and computing the same (`declined` and `refused` None); and
+those fused at one tensor-parallel rank that each instance must decline at two
+(`declined_at_tp`), because a rank would compute with a share of what it names."""
 
 import copy
 from collections.abc import Callable
@@ -137,6 +139,38 @@ class NamesSayOtherwise(Attention):
 
     def forward(self, x):
         return self.o_proj(attend(self.q_proj(x), self.v_proj(x), self.k_proj(x)))
+
+
+class NormedBeforeOutput(Attention):
+    """The attention's output normalised over all heads before `o_proj` (BitNet's
+    `attn_sub_norm`): a tensor-parallel rank holds only its heads' share."""
+
+    def __init__(self):
+        super().__init__()
+        self.sub_norm = nn.RMSNorm(Q, eps=1e-6)
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.sub_norm(attend(q, k, v)))
+
+
+class ViewedWithHeadCount(Attention):
+    """q, k and v viewed with the module's own head count (StableLM, OPT): a rank's
+    projections give a share of the heads that count names."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
+
+    def forward(self, x):
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, tokens, self.num_heads, HEAD).transpose(1, 2)
+        k = self.k_proj(x).view(batch, tokens, self.num_key_value_heads, HEAD)
+        v = self.v_proj(x).view(batch, tokens, self.num_key_value_heads, HEAD)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 # --- packed q/k/v ------------------------------------------------------------------
@@ -271,6 +305,19 @@ class UpTimesGateBound(MLP):
         gate = self.gate_proj(x)
         up = self.up_proj(x)
         return self.down_proj(up * self.act_fn(gate))
+
+
+class NormedBeforeDown(MLP):
+    """The gated product normalised over its whole width before `down_proj` (BitNet's
+    `ffn_sub_norm`): a tensor-parallel rank holds only its share of that width."""
+
+    def __init__(self):
+        super().__init__()
+        self.sub_norm = nn.RMSNorm(2 * HIDDEN, eps=1e-6)
+
+    def forward(self, x):
+        gated = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(self.sub_norm(gated))
 
 
 # --- RMSNorms ----------------------------------------------------------------------
@@ -515,6 +562,10 @@ class NearMiss:
     """A part of the reason the class analysis declines the fusion with."""
     refused: str | None = None
     """A part of the error building vLLM's attention for it raises."""
+    declined_at_tp: str | None = None
+    """A part of the reason each instance declines the fusion with at two
+    tensor-parallel ranks (the class analysis fuses it; at one rank it computes
+    the same)."""
     inputs: Callable[[torch.dtype], tuple] = lambda dtype: (
         torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype),
     )
@@ -549,12 +600,28 @@ CORPUS: dict[str, NearMiss] = {
     ),
     "qkv-scaled-key": NearMiss(ScaledKey, "QKVFuser"),
     "qkv-names-say-otherwise": NearMiss(NamesSayOtherwise, "QKVFuser"),
+    "qkv-normed-before-output-at-tp": NearMiss(
+        NormedBeforeOutput,
+        "QKVFuser",
+        declined_at_tp="sub_norm act on the whole width between the attention and",
+    ),
+    "qkv-viewed-with-head-count-at-tp": NearMiss(
+        ViewedWithHeadCount, "QKVFuser", declined_at_tp="num_heads"
+    ),
+    "packed-viewed-with-head-count-at-tp": NearMiss(
+        PackedViewedWithHeadCount, "PackedQKVFuser", declined_at_tp="num_heads"
+    ),
     "packed-key-first": NearMiss(
         KeyPackedFirst, "PackedQKVFuser", "the attention's query is not the packed"
     ),
     "packed-per-head": NearMiss(PackedPerHead, "PackedQKVFuser", "cannot be proven"),
     "packed-with-a-gap": NearMiss(
         PackedWithAGap, "PackedQKVFuser", "do not cover the packed output once"
+    ),
+    "glu-normed-before-down-at-tp": NearMiss(
+        NormedBeforeDown,
+        "GLUFuser",
+        declined_at_tp="between the gated product and down_proj",
     ),
     "glu-gate-over-up": NearMiss(
         GateOverUp, "GLUFuser", "combined by truediv, not multiplied"

@@ -25,6 +25,7 @@ from vllm.model_executor.models.transformers.report import Style, render
 DECLINED = [name for name, case in CORPUS.items() if case.declined]
 REFUSED = [name for name, case in CORPUS.items() if case.refused]
 FUSED = [name for name, case in CORPUS.items() if not (case.declined or case.refused)]
+DECLINED_AT_TP = [name for name, case in CORPUS.items() if case.declined_at_tp]
 LOCATION = re.compile(r"(?P<file>.+):(?P<line>\d+)")
 
 
@@ -103,6 +104,22 @@ def test_near_miss_that_fuses_computes_the_same(name, dtype, equivalent):
     case = CORPUS[name]
     _, applied = equivalent(case.build(), *case.inputs(dtype), dtype=dtype)
     assert [type(f).__name__ for f in applied] == [case.fuser]
+
+
+@pytest.mark.parametrize("name", DECLINED_AT_TP)
+def test_near_miss_is_fused_at_one_rank_and_declined_per_instance_at_two(
+    name, vllm_config, monkeypatch
+):
+    case = CORPUS[name]
+    module = case.build()
+    one_rank = registry.Fusers(module, vllm_config)
+    assert case.fuser in [type(f).__name__ for f in one_rank[module]]
+    monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
+    plan = registry.Fusers(module, vllm_config)
+    assert case.fuser not in [type(f).__name__ for f in plan[module]]
+    (declined,) = [d for d in plan.declined if d.fuser == case.fuser]
+    assert case.declined_at_tp in declined.reason, declined.reason
+    assert f"{case.fuser}: {declined.reason}" in plan.why_not(module)
 
 
 def causal_lm_types() -> list[str]:
