@@ -52,6 +52,7 @@ FIRST_GOOD_SEED: dict[str, int] = {
     "deepseek_v3_moe": 6,
     "ernie4_5_moe": 3,
     "flex_olmo": 1,
+    "gemma": 6,
     "gemma2": 3,
     "gemma4_text": 7,
     "glm4_moe": 3,
@@ -79,6 +80,7 @@ FIRST_GOOD_SEED: dict[str, int] = {
     "qwen2_moe": 2,
     "qwen3": 5,
     "qwen3_moe": 5,
+    "stablelm": 2,
     "starcoder2": 2,
     "vaultgemma": 2,
 }

@@ -33,10 +33,8 @@ from vllm.model_executor.models.transformers.attention import (
 )
 from vllm.model_executor.models.transformers.base import build_hf_model
 from vllm.model_executor.models.transformers.causal import CausalMixin
-from vllm.model_executor.models.transformers.fusers import (
-    Mamba2MixerFuser,
-    ShortConvFuser,
-)
+from vllm.model_executor.models.transformers.fusers import FUSER_CLASSES
+from vllm.model_executor.models.transformers.fusers.base import MixerFuser
 from vllm.model_executor.models.transformers.mixers import MixerDims
 
 if TYPE_CHECKING:
@@ -57,7 +55,7 @@ RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid
 (`vllm_transformers_overlay/routing.py`, standing for vLLM's config code) names
 the hybrid class for a config declaring any of them."""
 
-MIXER_STATES = (Mamba2MixerFuser.state_of, ShortConvFuser.state_of)
+MIXER_STATES = tuple(f.state_of for f in FUSER_CLASSES if issubclass(f, MixerFuser))
 """Per mixer fuser: a module's dims on vLLM's layer, why it cannot be, or `None`
 when the module is no mixer of that kind."""
 STATE_COPY_FUNCS: dict[MambaAttentionBackendEnum, tuple[MambaStateCopyFunc, ...]] = {
