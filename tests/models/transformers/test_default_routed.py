@@ -43,9 +43,9 @@ ARCHS = [
     "vaultgemma",
 ]
 
-TENSOR_PARALLEL = ["olmo2", "olmo3"]
-"""Their q/k norms span every head, so a rank's slice of q/k cannot be normalised on
-its own."""
+TENSOR_PARALLEL = ["olmo2"]
+"""Its q/k norms span every head, so a rank's slice of q/k cannot be normalised on its
+own (OLMo 3's too: not run at TP=2 here, for the suite's time)."""
 
 E2E_IMPL = tiny.e2e_impl()
 

@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
 from tiny import cached_reference as reference  # noqa: E402
-from tiny import checkpoint, compare, report  # noqa: E402
+from tiny import compare, report  # noqa: E402
 from tiny import shared_engine as engine  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "opt", "phi3", "gpt_neox"]
@@ -118,25 +118,11 @@ def test_transformers_backend_equals_native():
 
 
 @pytest.mark.engine
-def test_compiled_matches_transformers():
-    """Under vLLM's torch.compile integration (the engine's default; the other engine
-    tests run eager to save time) the backend still equals Transformers."""
-    run = tiny.run_engine(
-        checkpoint("llama"),
-        probe=True,
-        llm_kwargs=dict(enforce_eager=False),
-        **IMPLS["project"],
-    )
-    assert all(worker["compiled"] for worker in run.probe)
-    gap = compare(reference("llama"), run.completions)
-    report("llama (project, compiled) vs Transformers", run, gap)
-
-
-@pytest.mark.engine
-@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+@pytest.mark.parametrize("model_type", ["phi3"])
 def test_tensor_parallel_equals_single(model_type):
-    """TP=2 (one core per rank) equals TP=1 and Transformers. Phi3 also splits a
-    packed q/k/v with grouped KV heads across the ranks."""
+    """TP=2 (one core per rank) equals TP=1 and Transformers; Phi3 also splits a
+    packed q/k/v with grouped KV heads across the ranks. (Llama's TP=2 is not run
+    here, for the suite's time: the other TP=2 cases cover its layers.)"""
     tp1, tp2 = engine(model_type, "project"), engine(model_type, "project", 2)
     assert len(tp2.probe) == 2 and len({w["pid"] for w in tp2.probe}) == 2
     gap = compare(tp1.completions, tp2.completions, atol=2 * LOGPROB_ATOL)

@@ -123,9 +123,7 @@ def test_short_convolutions_on_vllm_equal_transformers():
         ) in run.log
 
 
-@pytest.mark.parametrize(
-    "model, layer_type", [(MODEL, "linear_attention"), ("lfm2", "conv")]
-)
+@pytest.mark.parametrize("model, layer_type", [(MODEL, "linear_attention")])
 def test_vllms_stock_backend_refuses_it(model, layer_type):
     with pytest.raises(
         RuntimeError,

@@ -145,9 +145,9 @@ def test_single_stage_keeps_everything():
 
 E2E_IMPL = tiny.e2e_impl()
 
-PIPELINE_PARALLEL = ["llama", "olmoe", "gemma2"]
-"""A dense model; a mixture of experts (OLMoE: experts on vLLM's fused MoE, q/k norms
-over the whole projection width); sliding and full layers (Gemma 2: attention and
+PIPELINE_PARALLEL = ["olmoe", "gemma2"]
+"""A mixture of experts (OLMoE: experts on vLLM's fused MoE, q/k norms over the whole
+projection width); a dense model with sliding and full layers (Gemma 2: attention and
 final soft-caps, tied embeddings, so the last stage keeps the input embedding for its
 head). Aria (a vision tower before an MoE decoder) runs at PP=2 in
 `test_routed_by_vllm_034.py`."""
