@@ -175,8 +175,7 @@ class Mamba2Mixer(MambaMixer2):
             self.norm = Mixer2RMSNormGated(
                 dims.intermediate_size, dims.norm_groups, eps=dims.eps
             )
-        low, high = (_softplus_preimage(v) for v in dims.time_step_limit)
-        self.time_step_preimage = (low, high)
+        self.time_step_preimage = tuple(map(_softplus_preimage, dims.time_step_limit))
 
     def conv_ssm_forward(
         self, projected_states: torch.Tensor, output: torch.Tensor
@@ -193,13 +192,13 @@ class Mamba2Mixer(MambaMixer2):
         state (the last of a chunked or prefix-cached prompt), which takes its
         decoding path: unclamped here, as Transformers computes one token fed with
         its cache."""
-        metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        prefills = metadata.num_prefills if metadata is not None else 0
-        if self.dims.clamps_time_steps and prefills:
-            projected_states = self._clamp_time_steps(
-                projected_states, metadata.num_decode_tokens
-            )
+        if self.dims.clamps_time_steps:
+            metadata = get_forward_context().attn_metadata
+            metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+            if metadata is not None and metadata.num_prefills:
+                projected_states = self._clamp_time_steps(
+                    projected_states, metadata.num_decode_tokens
+                )
         super().conv_ssm_forward(projected_states, output)
 
     def _clamp_time_steps(
