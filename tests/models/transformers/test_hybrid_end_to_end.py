@@ -4,8 +4,9 @@
 parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and norm
 weight included) answers as Transformers does, and as vLLM's native model does;
 so do a tiny Bamba (Mamba-2, two B/C groups), a tiny Nemotron-H (Mamba-2 with clamped
-time steps, non-gated experts) and a tiny LFM2 (short convolutions, their biases
-perturbed).
+time steps, non-gated experts), a tiny Falcon-H1 (a Mamba-2 mixer beside attention
+in every layer, its projection scaled) and a tiny LFM2 (short convolutions, their
+biases perturbed).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
 split into chunks, each continuing from the state the one before left in vLLM's
@@ -106,6 +107,24 @@ def test_clamped_time_steps_and_kept_experts_equal_transformers():
     gap = tiny.compare(reference("nemotron_h"), run.completions, atol)
     tiny.report("nemotron_h (project) vs Transformers", run, gap)
     assert "gated norm over 2 group(s), time steps clamped to (0.05, inf)" in run.log
+
+
+def test_mixers_beside_attention_with_scaled_projections_equal_transformers():
+    # Falcon-H1: every layer sums a Mamba-2 mixer (no norm) and attention; the
+    # mixer scales its input by a constant and in_proj's output per part, which
+    # the backend folds into in_proj's weights as they load.
+    tiny.check_feature_changes_output("falcon_h1", ssm_multipliers=[1.0] * 5)
+    run = engine("project", model="falcon_h1")
+    atol = tiny.logprob_atol("falcon_h1")
+    gap = tiny.compare(reference("falcon_h1"), run.completions, atol)
+    tiny.report("falcon_h1 (project, chunked prefill) vs Transformers", run, gap)
+    (worker,) = run.probe
+    assert worker["model_class"] == "TransformersHybridForCausalLM"
+    assert len(worker["attached"]) == 4
+    assert (
+        "silu gate, no norm, in_proj input x 0.7 and output x mup_vector (folded "
+        "into its weights)"
+    ) in run.log
 
 
 def test_short_convolutions_on_vllm_equal_transformers():

@@ -272,7 +272,7 @@ def test_command_prints_json_and_plain_text(tmp_path):
 
 @pytest.mark.engine
 def test_engine_start_up_log_agrees_with_the_command(vllm_runtime):
-    from test_end_to_end import checkpoint, engine
+    from tiny import checkpoint, shared_engine as engine
 
     path = checkpoint("llama")
     logged = re.findall(r"Fusion report for .*", engine("llama", "project").log)

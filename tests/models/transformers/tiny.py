@@ -51,6 +51,7 @@ FIRST_GOOD_SEED: dict[str, int] = {
     "bitnet": 3,
     "deepseek_v3_moe": 6,
     "ernie4_5_moe": 3,
+    "falcon_h1": 2,
     "flex_olmo": 1,
     "gemma": 6,
     "gemma2": 3,
@@ -509,6 +510,27 @@ ARCHS: dict[str, dict[str, Any]] = {
         moe_shared_expert_intermediate_size=64,
         n_group=1,
         topk_group=1,
+    ),
+    # Falcon-H1: in every layer a Mamba-2 mixer (8 heads of 32, one B/C group, no
+    # norm: `y * silu(z)`) beside attention, summed; the mixer's input scaled by a
+    # constant and its in_proj's output per part (`ssm_multipliers`, Transformers'
+    # `mup_vector`), attention's input, keys and output scaled, the MLP's gate and
+    # down projection scaled, the embeddings and the logits scaled.
+    "falcon_h1": dict(
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_ssm=256,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 2.0],
+        ssm_in_multiplier=0.7,
+        ssm_out_multiplier=1.3,
+        attention_in_multiplier=0.9,
+        attention_out_multiplier=1.1,
+        key_multiplier=0.6,
+        mlp_multipliers=[0.8, 1.25],
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
     ),
     # LFM2: short convolutions (kernel 3, with biases) in layers 0 and 2, attention
     # (q and k normed per head) in 1 and 3, tied embeddings; `conv_dim` and

@@ -116,14 +116,60 @@ def test_a_mixer_that_computes_otherwise_is_declined_saying_where_it_differs():
     assert "on a float64 probe vLLM's MambaMixer2" in dims and "the prefill" in dims
 
 
-def test_parts_vllm_has_no_place_for_are_declined_naming_them():
+def falcon_mixer(persistent: bool = False, **changes) -> FalconH1Mixer:
     config = small_config(
-        "falcon_h1", mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_d_ssm=256
+        "falcon_h1",
+        mamba_n_heads=8,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_d_ssm=256,
+        ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 2.0],
+        ssm_in_multiplier=0.7,
+        **changes,
     )
     mixer = FalconH1Mixer(config, layer_idx=0)
-    # Falcon-H1 scales the projection's parts by a buffer (its µP multipliers).
-    mixer.register_buffer("mup_vector", compute_mup_vector(config), persistent=False)
-    found = Mamba2MixerFuser.match(None, mixer)
+    # Falcon-H1's model registers its µP multipliers on each mixer, per part of
+    # in_proj's output.
+    mup_vector = compute_mup_vector(config)
+    mixer.register_buffer("mup_vector", mup_vector, persistent=persistent)
+    return mixer
+
+
+def test_scaled_projections_without_a_norm_are_proven_with_their_scales():
+    # Falcon-H1 (`mamba_rms_norm=False`): `in_proj(h * 0.7) * mup_vector`, and
+    # `y * silu(z)` with no norm. The input's scale is measured on the probe, not
+    # read from an attribute.
+    dims = proven(falcon_mixer())
+    assert isinstance(dims, Mamba2Dims), dims
+    assert not dims.gated_norm
+    assert dims.input_scale == pytest.approx(0.7, rel=1e-12)
+    assert dims.projection_scale == "mup_vector"
+
+
+def test_a_norm_after_the_gate_is_proven_and_one_before_it_declined():
+    # vLLM's layer normalises `y * silu(z)`; Falcon-H1's gated norm may instead
+    # gate the normalised `y` (`mamba_norm_before_gate`), which it cannot. The two
+    # mixers differ only by their norm's flag: each is proven on its own.
+    after = proven(falcon_mixer(mamba_rms_norm=True, mamba_norm_before_gate=False))
+    assert isinstance(after, Mamba2Dims) and after.gated_norm, after
+    before = proven(falcon_mixer(mamba_rms_norm=True, mamba_norm_before_gate=True))
+    assert isinstance(before, str), before
+    assert "on a float64 probe vLLM's MambaMixer2" in before
+
+
+def test_a_projection_scale_the_probe_does_not_confirm_is_declined():
+    # A buffer of in_proj's width that the mixer's forward never applies: the
+    # layer built with it would scale the projection wrongly.
+    mixer = granite_mixer()
+    features = mixer.in_proj.out_features
+    mixer.register_buffer("unused", torch.full((features,), 2.0), persistent=False)
+    dims = proven(mixer)
+    assert isinstance(dims, str) and "on a float64 probe" in dims, dims
+
+
+def test_parts_vllm_has_no_place_for_are_declined_naming_them():
+    # A scale the checkpoint holds is a weight vLLM's layer has no place for.
+    found = Mamba2MixerFuser.match(None, falcon_mixer(persistent=True))
     assert isinstance(found, Declined)
     assert "mup_vector" in found.reason
 

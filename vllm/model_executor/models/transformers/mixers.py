@@ -71,10 +71,23 @@ class Mamba2Dims:
     time_step_limit: tuple[float, float] = (0.0, math.inf)
     """What the time steps `softplus(dt + dt_bias)` are clamped to (Nemotron-H and
     Zamba2 raise them to `time_step_min`)."""
+    gated_norm: bool = True
+    """Whether `y * silu(z)` is normalised (Falcon-H1's `mamba_rms_norm=False`
+    mixers hold no norm)."""
+    input_scale: float = 1.0
+    """What the module multiplies its input by before `in_proj` (Falcon-H1's
+    `ssm_in_multiplier`), measured on the probe."""
+    projection_scale: str | None = None
+    """The module's buffer that multiplies `in_proj`'s output feature by feature
+    (Falcon-H1's `mup_vector`), by name; `None` where there is none."""
 
     @property
     def clamps_time_steps(self) -> bool:
         return self.time_step_limit != (0.0, math.inf)
+
+    @property
+    def scales_projection(self) -> bool:
+        return self.input_scale != 1.0 or self.projection_scale is not None
 
     @property
     def conv_dim(self) -> int:
@@ -150,7 +163,13 @@ class Mamba2Mixer(MambaMixer2):
     attention_mask=..., **kwargs)`. Transformers' cache and mask are not read (the
     backend passes neither; vLLM's forward context carries each sequence's state)."""
 
-    def __init__(self, dims: Mamba2Dims, vllm_config: "VllmConfig", prefix: str):
+    def __init__(
+        self,
+        dims: Mamba2Dims,
+        vllm_config: "VllmConfig",
+        prefix: str,
+        projection_scale: torch.Tensor | None = None,
+    ):
         super().__init__(
             hidden_size=dims.hidden_size,
             ssm_state_size=dims.state_size,
@@ -163,19 +182,40 @@ class Mamba2Mixer(MambaMixer2):
             head_dim=dims.head_dim,
             rms_norm_eps=dims.eps,
             activation=dims.activation,
+            use_rms_norm=dims.gated_norm,
             model_config=vllm_config.model_config,
             cache_config=vllm_config.cache_config,
             quant_config=vllm_config.quant_config,
             prefix=prefix,
         )
         self.dims = dims
-        if dims.norm_groups != dims.n_groups:
+        if dims.gated_norm and dims.norm_groups != dims.n_groups:
             # vLLM builds the norm with the B/C groups; the module normalises
             # over another count (proven by the probe).
             self.norm = Mixer2RMSNormGated(
                 dims.intermediate_size, dims.norm_groups, eps=dims.eps
             )
         self.time_step_preimage = tuple(map(_softplus_preimage, dims.time_step_limit))
+        if dims.scales_projection:
+            self._fold_into_in_proj(projection_scale)
+
+    def _fold_into_in_proj(self, projection_scale: torch.Tensor | None) -> None:
+        """Load `in_proj` so that it computes what the module computes around it,
+        `in_proj(x * input_scale) * projection_scale`: its checkpoint weight's rows
+        multiplied by `input_scale * projection_scale`, its bias by
+        `projection_scale`, before vLLM's loaders split them across the ranks. The
+        scales cost nothing per step, and the per-rank layout stays the loaders'."""
+        d = self.dims
+        features = d.intermediate_size + d.conv_dim + d.num_heads  # the checkpoint's
+        per_feature = (
+            torch.ones(features) if projection_scale is None else projection_scale
+        )
+        for param, input_scale in ((self.in_proj.weight, d.input_scale),
+                                   (self.in_proj.bias, 1.0)):  # fmt: skip
+            if param is not None:
+                param.weight_loader = _scaled_rows(
+                    param.weight_loader, per_feature, input_scale
+                )
 
     def conv_ssm_forward(
         self, projected_states: torch.Tensor, output: torch.Tensor
@@ -267,6 +307,28 @@ class ShortConvMixer(ShortConv):
         return output.view(hidden_states.shape)
 
 
+def _scaled_rows(load: Callable, scale: torch.Tensor, factor: float) -> Callable:
+    """`load`, given the checkpoint tensor with its rows multiplied by `factor` and
+    by `scale` (one value per row, read as the weights load: the report builds
+    modules on `meta`), the whole tensor, before the loader takes this rank's share."""
+
+    def scaled(
+        param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
+        rows = scale.detach().reshape(-1)
+        if shard_id is not None or loaded.shape[0] != rows.shape[0]:
+            raise ValueError(
+                f"in_proj's checkpoint tensor {list(loaded.shape)} is not the whole "
+                f"projection of {rows.shape[0]} features, which the backend scales "
+                "feature by feature as it loads"
+            )
+        rows = rows.to(loaded.device, torch.float64) * factor
+        wide = loaded.to(torch.float64) * rows.view(-1, *[1] * (loaded.ndim - 1))
+        load(param, wide.to(loaded.dtype))
+
+    return scaled
+
+
 def state_description(layer: MambaBase, parts: tuple[str, ...]) -> str:
     """`state N bytes per sequence on each rank (part [shape] dtype, ...)`: the
     state `layer` asks of vLLM's state cache, its parts named by `parts`."""
@@ -321,13 +383,14 @@ def mamba2_reference(
     zeros when `None`), with the HF module's tensors by their HF names. Returns the
     output and the state after the last token.
 
-    `in_proj(x) = [z | x B C | dt]`; `x B C` through the causal depthwise
+    `in_proj(x * input_scale) * projection_scale = [z | x B C | dt]` (the
+    scales 1 where the module has none); `x B C` through the causal depthwise
     convolution and the activation; `dt = softplus(dt + dt_bias)`, clamped to
     `time_step_limit` in a prefill (a first call, or more than one token), not in
     a decoding step, as Transformers' chunked scan and single-token update do;
     `h = exp(dt A) h + dt x B^T`, `y = h C + D x` with `A = -exp(A_log)` per head
     and B, C shared by the heads of a group; `out_proj(rmsnorm(y * silu(z)))`, the
-    norm over `norm_groups` groups."""
+    norm over `norm_groups` groups (`out_proj(y * silu(z))` without `gated_norm`)."""
     d = dims
     conv_dim, width = d.conv_dim, d.n_groups * d.state_size
     tokens = x.shape[0]
@@ -338,7 +401,11 @@ def mamba2_reference(
             x.new_zeros(d.num_heads, d.head_dim, d.state_size),
         )
     conv_state, ssm_state = state
-    projected = F.linear(x, tensors["in_proj.weight"], tensors.get("in_proj.bias"))
+    projected = F.linear(
+        x * d.input_scale, tensors["in_proj.weight"], tensors.get("in_proj.bias")
+    )
+    if d.projection_scale is not None:
+        projected = projected * tensors[d.projection_scale].reshape(-1)
     z, xbc, dt = projected.split([d.intermediate_size, conv_dim, d.num_heads], -1)
     history = torch.cat([conv_state, xbc])
     conv = F.silu(
@@ -365,9 +432,10 @@ def mamba2_reference(
         h = h * decay + (dt[t][:, None] * xs[t])[:, :, None] * B[t][:, None, :]
         ys.append((h * C[t][:, None, :]).sum(-1) + D[:, None] * xs[t])
     y = torch.stack(ys).reshape(tokens, d.intermediate_size) * F.silu(z)
-    grouped = y.view(tokens, d.norm_groups, -1)
-    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
-    y = grouped.reshape(tokens, d.intermediate_size) * tensors["norm.weight"]
+    if d.gated_norm:
+        grouped = y.view(tokens, d.norm_groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + d.eps)
+        y = grouped.reshape(tokens, d.intermediate_size) * tensors["norm.weight"]
     out = F.linear(y, tensors["out_proj.weight"], tensors.get("out_proj.bias"))
     return out, (_last_inputs(history, d.conv_kernel), h)
 
@@ -444,9 +512,14 @@ def _run_module(
                 )
         except Exception as error:  # noqa: BLE001 - a mixer we cannot run is declined
             return f"it fails on a probe: {type(error).__name__}: {error}"
-        if not isinstance(out, torch.Tensor) or out.shape != segment[None].shape:
+        # Falcon-H1's gated norm drops the token axis of a single token.
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.shape[-1] != segment.shape[-1]
+            or out.numel() != segment.numel()
+        ):
             return "it does not return one hidden state per token"
-        outputs.append(out[0].to(torch.float64))
+        outputs.append(out.reshape(segment.shape).to(torch.float64))
     return outputs
 
 

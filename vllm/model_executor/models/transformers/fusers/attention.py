@@ -52,8 +52,14 @@ HONOURED = {
 }
 """Keyword arguments of the attention call vLLM's `Attention` honours, and how."""
 
-LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
-"""`config.layer_types` entries for a layer with attention -> whether it slides."""
+LAYER_TYPES = {
+    "full_attention": False,
+    "sliding_attention": True,
+    "hybrid": False,
+    "hybrid_sliding": True,
+}
+"""`config.layer_types` entries for a layer with attention -> whether it slides
+(`hybrid` layers hold a mixer beside their attention: Falcon-H1's)."""
 
 
 def _registry_names(forward: ast.FunctionDef) -> set[str]:

@@ -259,7 +259,7 @@ class MixerFuser(BaseFuser):
     """What the fusers that put a mixer on one of vLLM's stateful layers share: the
     dims vLLM's layer would be built with, read off each instance's tensors
     (`measure`) and proven on a float64 probe against the module itself (`prove`),
-    once per module class, dims and plain attributes; served only by a model class
+    once per module class, dims and plain attributes (its children's too); served only by a model class
     vLLM keeps state for, and only where the layer splits over the ranks (`unfit`)."""
 
     needs_graph: ClassVar[bool] = False
@@ -298,9 +298,12 @@ class MixerFuser(BaseFuser):
         found = self.measure(module)
         if isinstance(found, str):
             return found
+        # The plain attributes of the module and its children: a child's flag can
+        # change what it computes (Falcon-H1's norm's `norm_before_gate`).
         attributes = tuple(
-            (name, value)
-            for name, value in vars(module).items()
+            (f"{prefix}.{name}", value)
+            for prefix, part in module.named_modules()
+            for name, value in vars(part).items()
             if not name.startswith("_") and isinstance(value, int | float | str | tuple)
         )
         key = (type(self), type(module), found, attributes)

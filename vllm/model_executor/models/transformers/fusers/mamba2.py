@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
+import torch
 from torch import fx, nn
 
 from vllm.model_executor.models.transformers.fusers.base import (
@@ -42,6 +43,22 @@ biases from -9 to 3, so that about one time step in ten falls below 0.001 and a
 clamp the module applies (or not) shows."""
 
 
+def projection_scale(module: nn.Module) -> str | None:
+    """The module's own buffer, besides a Mamba-2 mixer's tensors, that could scale
+    `in_proj`'s output feature by feature (Falcon-H1's `mup_vector`): one value
+    per feature, computed when the module is built (not a weight the checkpoint
+    holds). Whether it does is the probe's to prove."""
+    features = getattr(getattr(module, "in_proj", None), "out_features", None)
+    found = [
+        name
+        for name, buffer in module.named_buffers(recurse=False)
+        if name in module._non_persistent_buffers_set
+        and tuple(buffer.shape[-1:]) == (features,)
+        and buffer.numel() == features
+    ]
+    return found[0] if len(found) == 1 else None
+
+
 def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     """The module as `MambaMixer2` would be built for it, from its tensors' shapes
     and what it holds (the norm's group count not yet proven: the B/C groups'); or
@@ -52,6 +69,7 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     intermediate = out_proj.in_features
     n_groups = getattr(module, "n_groups", None)
     norm = module.norm
+    gated_norm = any(True for _ in norm.parameters())  # else `nn.Identity`'s place
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     activation = getattr(module, "activation", None)
     limit = getattr(module, "time_step_limit", (0.0, math.inf))
@@ -83,7 +101,7 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
         return "its widths do not split into heads and B/C groups"
     if activation not in _ACTIVATIONS:
         return f"its convolution's activation is {activation!r}, not silu"
-    if not isinstance(eps, float):
+    if gated_norm and not isinstance(eps, float):
         return "its norm holds no epsilon"
     if len(limit) != 2 or not 0.0 <= limit[0] < limit[1]:
         return f"its time-step limit {limit} is no range of positive time steps"
@@ -97,23 +115,27 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
         conv_kernel=kernel,
         use_conv_bias=conv.bias is not None,
         use_bias=in_proj.bias is not None,
-        eps=eps,
+        eps=eps if gated_norm else 1e-5,  # vLLM's, unused without a norm
         activation=activation,
         norm_groups=n_groups,
         time_step_limit=limit,
+        gated_norm=gated_norm,
+        projection_scale=projection_scale(module),
     )
 
 
 @dataclass
 class Mamba2MixerFuser(MixerFuser):
-    """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), clamp(softplus(dt + dt_bias)), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h)` -> vLLM's `MambaMixer2`.
+    """`out_proj(rmsnorm_G(ssd(silu(conv1d(xBC)), clamp(softplus(dt + dt_bias)), -exp(A_log), D) * silu(z)))`, `[z|xBC|dt] = in_proj(h * c) * s` -> vLLM's `MambaMixer2`.
 
     The module's shapes and what it holds (heads, groups, kernel, biases, eps,
-    activation, time-step limit, chunk size) say how vLLM's layer is built; a float64
-    probe of each instance, run against the module itself (a prefill, a prefill
-    continued from its state, token-by-token decoding, through Transformers' cache),
-    proves that layer computes the same, and finds over how many groups the gated
-    norm normalises. The module is then replaced by vLLM's layer under its own call
+    activation, time-step limit, chunk size, a norm or none, a buffer `s` scaling
+    in_proj's features) say how vLLM's layer is built; a float64 probe of each
+    instance, run against the module itself (a prefill, a prefill continued from its
+    state, token-by-token decoding, through Transformers' cache), proves that layer
+    computes the same, measures the constant `c` in_proj's input is scaled by, and
+    finds over how many groups the gated norm normalises. The scales `c` and `s` are
+    folded into in_proj's weights as they load. The module is then replaced by vLLM's layer under its own call
     signature (`mixers.Mamba2Mixer`), its states in vLLM's state cache. A mixer that
     differs is declined with why, and the backend refuses the model naming it
     (`refuse_state_beyond_keys_and_values`): its state would be lost."""
@@ -137,6 +159,7 @@ class Mamba2MixerFuser(MixerFuser):
                 module.named_parameters(recurse=False), module.named_buffers(recurse=False)
             )
         }
+        own.discard(projection_scale(module))
         children = {name for name, _ in module.named_children()}
         if own - _OWN_TENSORS or children - _CHILDREN:
             extra = sorted((own - _OWN_TENSORS) | (children - _CHILDREN))
@@ -169,6 +192,11 @@ class Mamba2MixerFuser(MixerFuser):
                 f"it scans in chunks of {chunk_size} tokens, and vLLM's Mamba-2 "
                 f"metadata in chunks of {vllm_chunk} for every layer"
             )
+        if found.scales_projection and vllm_config.quant_config is not None:
+            return (
+                "it scales in_proj's input or output, which the backend folds into "
+                "in_proj's weights as they load; quantised weights cannot be scaled so"
+            )
         tp = vllm_config.parallel_config.tensor_parallel_size
         if found.num_heads % tp or (found.n_groups % tp and found.n_groups != 1):
             return (
@@ -182,7 +210,10 @@ class Mamba2MixerFuser(MixerFuser):
     ) -> nn.Module:
         found = self.dims(module)
         assert isinstance(found, Mamba2Dims), found
-        return Mamba2Mixer(found, vllm_config, prefix)
+        scale = None
+        if found.projection_scale is not None:
+            scale = module.get_buffer(found.projection_scale)
+        return Mamba2Mixer(found, vllm_config, prefix, scale)
 
     def renamed_weights(self, prefix: str) -> dict[str, str]:
         # vLLM's layer keeps A = -exp(A_log), computed by the parameter's loader.
@@ -190,13 +221,19 @@ class Mamba2MixerFuser(MixerFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         d: Mamba2Dims = module.dims
-        clamp = ""
+        norm = f"gated norm over {d.norm_groups} group(s)"
+        if not d.gated_norm:
+            norm = "silu gate, no norm"
         if d.clamps_time_steps:
-            clamp = f", time steps clamped to {d.time_step_limit}"
+            norm += f", time steps clamped to {d.time_step_limit}"
+        if d.scales_projection:
+            by = [f"input x {d.input_scale:.4g}"] * (d.input_scale != 1.0)
+            by += [f"output x {d.projection_scale}"] * (d.projection_scale is not None)
+            norm += f", in_proj {' and '.join(by)} (folded into its weights)"
         return (
             f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
-            f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, gated "
-            f"norm over {d.norm_groups} group(s){clamp}; vLLM MambaMixer2, "
+            f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, "
+            f"{norm}; vLLM MambaMixer2, "
             f"{state_description(module, ('convolution', 'SSM'))}"
         )
 
@@ -207,20 +244,51 @@ class Mamba2MixerFuser(MixerFuser):
 def _prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
     """`dims` with the norm group count under which vLLM's layer computes what
     `module` does on the float64 probe, or why no count does."""
-    tensors, x, outputs = probe_outputs(module, dims.hidden_size, _PROBE_VALUES)
+    values = dict(_PROBE_VALUES)
+    if dims.projection_scale is not None:
+        values[dims.projection_scale] = (1.0, 0.3)
+    projected: list[torch.Tensor] = []
+    hook = module.in_proj.register_forward_pre_hook(
+        lambda _, args: projected.extend(args[:1])
+    )
+    try:
+        tensors, x, outputs = probe_outputs(module, dims.hidden_size, values)
+    finally:
+        hook.remove()
     if isinstance(outputs, str):
         return outputs
+    input_scale = _input_scale(projected, x)
+    if input_scale is None:
+        return "its in_proj does not take the mixer's input times one constant"
     worst = (math.inf, "")
-    for groups in sorted({dims.n_groups, 1}):
-        candidate = Mamba2Dims(**{**vars(dims), "norm_groups": groups})
+    for groups in sorted({dims.n_groups, 1} if dims.gated_norm else {1}):
+        candidate = Mamba2Dims(
+            **{**vars(dims), "norm_groups": groups, "input_scale": input_scale}
+        )
         reference = functools.partial(mamba2_reference, tensors, candidate)
         gap = first_gap(outputs, x, reference)
         if gap is None:
             return candidate
         worst = min(worst, gap)
+    norm = (
+        f"silu-gated RMSNorm over 1 or {dims.n_groups} groups"
+        if dims.gated_norm
+        else "a silu gate without a norm"
+    )
     return (
-        "on a float64 probe vLLM's MambaMixer2 (silu-gated RMSNorm over 1 or "
-        f"{dims.n_groups} groups, softplus time steps clamped to "
+        f"on a float64 probe vLLM's MambaMixer2 ({norm}, softplus time steps clamped to "
         f"{dims.time_step_limit}) differs from it "
         f"by {worst[0]:.3g} (relative) in {worst[1]}"
     )
+
+
+def _input_scale(inputs: list[torch.Tensor], x: torch.Tensor) -> float | None:
+    """The constant `c` with `in_proj`'s inputs on the probe equal to `c * x` (the
+    probe's input, fed in segments), or `None` where there is none."""
+    if not inputs or any(not isinstance(t, torch.Tensor) for t in inputs):
+        return None
+    seen = torch.cat([t.reshape(-1, x.shape[-1]) for t in inputs]).to(x.dtype)
+    if seen.shape != x.shape:
+        return None
+    scale = float((seen * x).sum() / (x * x).sum())
+    return scale if torch.allclose(seen, scale * x, rtol=1e-9, atol=1e-12) else None
