@@ -5,7 +5,7 @@ parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and n
 weight included) answers as Transformers does, and as vLLM's native model does;
 so do a tiny Bamba (Mamba-2, two B/C groups), a tiny Nemotron-H (Mamba-2 with clamped
 time steps, non-gated experts), a tiny Falcon-H1 (a Mamba-2 mixer beside attention
-in every layer, its projection scaled) and a tiny LFM2 (short convolutions, their
+in every layer, its projection scaled), a tiny Mamba-2 (mixers alone) and a tiny LFM2 (short convolutions, their
 biases perturbed).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
@@ -125,6 +125,21 @@ def test_mixers_beside_attention_with_scaled_projections_equal_transformers():
         "silu gate, no norm, in_proj input x 0.7 and output x mup_vector (folded "
         "into its weights)"
     ) in run.log
+
+
+def test_a_decoder_of_mixers_alone_equals_transformers():
+    # Mamba-2 (Mamba2ForCausalLM): no attention at all, every layer a mixer with
+    # two B/C groups and its gated norm over the whole width, as Transformers'
+    # normalises (vLLM's native Mamba-2 normalises per group: its greedy tokens
+    # differ from Transformers' on this model, from the second on).
+    run = engine("project", model="mamba2")
+    atol = tiny.logprob_atol("mamba2")
+    gap = tiny.compare(reference("mamba2"), run.completions, atol)
+    tiny.report("mamba2 (project, chunked prefill) vs Transformers", run, gap)
+    (worker,) = run.probe
+    assert worker["model_class"] == "TransformersHybridForCausalLM"
+    assert worker["attached"] == []
+    assert "2 B/C group(s) of state 16, kernel 4, gated norm over 1 group(s)" in run.log
 
 
 def test_short_convolutions_on_vllm_equal_transformers():

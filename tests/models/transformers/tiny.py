@@ -66,6 +66,7 @@ FIRST_GOOD_SEED: dict[str, int] = {
     "jais2": 1,
     "lfm2": 2,
     "llama": 10,
+    "mamba2": 2,
     "mellum": 16,
     "minimax_m2": 7,
     "mistral": 2,
@@ -532,6 +533,9 @@ ARCHS: dict[str, dict[str, Any]] = {
         embedding_multiplier=2.0,
         lm_head_multiplier=0.5,
     ),
+    # Mamba-2 alone: four mixers (8 heads of 32, two B/C groups, the gated norm
+    # over the whole width), no attention.
+    "mamba2": dict(num_heads=8, head_dim=32, state_size=16, n_groups=2, expand=2),
     # LFM2: short convolutions (kernel 3, with biases) in layers 0 and 2, attention
     # (q and k normed per head) in 1 and 3, tied embeddings; `conv_dim` and
     # `block_dim` as LiquidAI's checkpoints carry them (vLLM's native model reads
