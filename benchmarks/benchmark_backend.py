@@ -3,8 +3,9 @@
 """Benchmark the Transformers modeling backend against vLLM's own implementations.
 
 One run measures, side by side, for each random model (`--models`: Llama, Qwen3 with
-q/k norms, Gemma 2 with soft-capping and sliding windows, Phi-3 with packed qkv, and
-a Qwen3-MoE) and each mode (`--modes`: eager, and vLLM's default compilation):
+q/k norms, Gemma 2 with soft-capping and sliding windows, Phi-3 with packed qkv, a
+Qwen3-MoE, and a Granite 4.0 H hybrid of Mamba-2 mixers and attention, which vLLM's
+stock backend refuses, so it is measured beside native only) and each mode (`--modes`: eager, and vLLM's default compilation):
 
 1. **Throughput** on the CPU engine, served three ways:
      - `this`:   this project's backend    (`model_impl="transformers"`)
@@ -117,8 +118,26 @@ MODELS: dict[str, dict[str, Any]] = {
     ),
     "phi3": MODEL,  # packed qkv_proj and gate_up_proj in the checkpoint
     "qwen3_moe": MOE_MODEL,
+    # Granite 4.0 H: Mamba-2 mixers (24 heads of 64, one B/C group, state 64) in
+    # layers 0, 2, 4 and attention in 1, 3, 5; in every layer 16 experts of width
+    # 512 (four per token) beside a shared MLP.
+    "granitemoehybrid": dict(
+        MODEL,
+        layer_types=["mamba", "attention"] * 3,
+        mamba_n_heads=24,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        num_local_experts=16,
+        num_experts_per_tok=4,
+        intermediate_size=512,
+        shared_intermediate_size=1024,
+    ),
 }
 """`--models` -> the config of the random model benchmarked."""
+STOCK_REFUSES = frozenset({"granitemoehybrid"})
+"""Model types vLLM's stock backend refuses (the hybrids): measured beside native
+only."""
 
 SIZES: dict[str, dict[str, Any]] = {
     "medium": {},
@@ -557,7 +576,7 @@ def measure(
         enforce_eager=MODES[mode],
     )
     prompt_tokens = BATCH * PROMPT_LEN
-    names = list(VARIANTS)
+    names = [n for n in VARIANTS if n != "stock" or model_type not in STOCK_REFUSES]
     engines: dict[str, Engine] = {}
     starts: dict[str, dict[str, Any]] = {}
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -867,6 +886,8 @@ LABELS = {
     "native": "vLLM native",
     "stock": "stock backend",
 }
+REFUSED = "refuses"
+"""A cell of an implementation that refuses the model (stock, for the hybrids)."""
 
 
 def _size(result: dict[str, Any]) -> str:
@@ -903,18 +924,26 @@ def _step_table(results: list[dict[str, Any]]) -> list[str]:
         "|---|---|" + "---:|" * (len(VARIANTS) + 2),
     ]
     for res in timed:
-        steps = {n: [r["model_step_s"] for r in res["per_round"][n]] for n in VARIANTS}
+        steps = {
+            n: [r["model_step_s"] for r in runs] for n, runs in res["per_round"].items()
+        }
         layers = res["model"]["num_hidden_layers"]
         over = {
             n: statistics.median(
                 (x - y) / layers * 1e6 for x, y in zip(steps[n], steps["native"])
             )
             for n in ("this", "stock")
+            if n in steps
         }
         lines.append(
             f"| {_label(res)} | {res['mode']} | "
-            + " | ".join(f"{statistics.median(steps[n]) * 1e3:.2f}" for n in VARIANTS)
-            + f" | {over['this']:.0f} | {over['stock']:.0f} |"
+            + " | ".join(
+                f"{statistics.median(steps[n]) * 1e3:.2f}" if n in steps else REFUSED
+                for n in VARIANTS
+            )
+            + " | "
+            + " | ".join(f"{over[n]:.0f}" if n in over else REFUSED for n in ("this", "stock"))
+            + " |"
         )
     return lines
 
@@ -930,7 +959,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{w}" if size == "medium" else f"{w} ({size})" for size, w in widths.items()
         )
         loads = [
-            r["load"] for res in results for n in VARIANTS for r in res["per_round"][n]
+            r["load"] for res in results for runs in res["per_round"].values() for r in runs
         ]
         lines += [
             (
@@ -951,13 +980,17 @@ def markdown(summary: dict[str, Any]) -> str:
             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for res in results:
-            native, stock = res["ratio"]["native"], res["ratio"]["stock"]
+            native, stock = res["ratio"]["native"], res["ratio"].get("stock")
+            versus_stock = (
+                f"{stock['generate_tok_s']:.2f} | {stock['decode_tok_s']:.2f}"
+                if stock
+                else f"{REFUSED} | {REFUSED}"
+            )
             lines.append(
                 f"| {_label(res)} | {res['mode']} | {res['rounds']} "
                 f"| {res['median']['this']['generate_tok_s']:.0f} "
                 f"| {native['generate_tok_s']:.2f} | {native['prefill_tok_s']:.2f} "
-                f"| {native['decode_tok_s']:.2f} | {stock['generate_tok_s']:.2f} "
-                f"| {stock['decode_tok_s']:.2f} |"
+                f"| {native['decode_tok_s']:.2f} | {versus_stock} |"
             )
         if step_table := _step_table(results):
             lines += ["", *step_table]
@@ -977,6 +1010,8 @@ def markdown(summary: dict[str, Any]) -> str:
                 cells = [
                     f"{res['starts'][n]['cold']['start_s']:.0f} "
                     f"| {res['starts'][n]['warm']['start_s']:.0f}"
+                    if n in res["starts"]
+                    else f"{REFUSED} | {REFUSED}"
                     for n in VARIANTS
                 ]
                 lines.append(f"| {_label(res)} | " + " | ".join(cells) + " |")
@@ -1030,9 +1065,14 @@ def plot(summary: dict[str, Any], out_file: Path) -> None:
     for axis, metric in zip(axes, METRICS):
         xs = range(len(results))
         this = [r["ratio"]["native"][metric] for r in results]
-        # stock / native = (this / native) / (this / stock)
-        stock = [r["ratio"]["native"][metric] / r["ratio"]["stock"][metric] for r in results]
-        lowest = min(lowest, *this, *stock)
+        # stock / native = (this / native) / (this / stock); none where it refuses
+        stock = [
+            r["ratio"]["native"][metric] / r["ratio"]["stock"][metric]
+            if "stock" in r["ratio"]
+            else float("nan")
+            for r in results
+        ]
+        lowest = min(lowest, *this, *(x for x in stock if x == x))
         axis.bar([x - width / 2 for x in xs], this, width, label="this backend")
         axis.bar([x + width / 2 for x in xs], stock, width, label="stock backend")
         axis.axhline(1.0, color="black", linewidth=0.8)
@@ -1168,7 +1208,13 @@ def main(argv: list[str]) -> None:
                     "  this / native (generate, prefill, decode): "
                     + ", ".join(f"{v:.2f}" for v in result["ratio"]["native"].values())
                     + "; this / stock: "
-                    + ", ".join(f"{v:.2f}" for v in result["ratio"]["stock"].values()),
+                    + (
+                        ", ".join(
+                            f"{v:.2f}"
+                            for v in result["ratio"].get("stock", {}).values()
+                        )
+                        or REFUSED
+                    ),
                     flush=True,
                 )
                 args.out.parent.mkdir(parents=True, exist_ok=True)
