@@ -702,9 +702,9 @@ def print_profiles(profiles: dict[str, dict[str, Any]]) -> None:
 
 def _clear_caches() -> None:
     """Forget every fuser verdict and every per-class analysis this process made."""
-    from vllm.model_executor.models.transformers import fuser, rewriting, tracing
+    from vllm.model_executor.models.transformers import plan, rewriting, tracing
 
-    fuser.clear_cache()
+    plan.clear_cache()
     for module in (rewriting, tracing):
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
@@ -769,7 +769,7 @@ def construct_once(variant: str, layers: int) -> dict[str, Any]:
 def _detect(vllm_config) -> dict[str, Any]:
     """The fuser registry alone (this backend), over the HF model it builds."""
     from vllm.model_executor.models.transformers.base import build_hf_model
-    from vllm.model_executor.models.transformers.fuser import Fusers, analysed
+    from vllm.model_executor.models.transformers.plan import Fusers, analysed
 
     hf_model = build_hf_model(vllm_config)
     _clear_caches()

@@ -86,7 +86,7 @@ def _kinds(model_type: str) -> list[str]:
     )
 
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]

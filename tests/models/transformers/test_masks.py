@@ -15,7 +15,7 @@ from vllm.model_executor.models.transformers.attention import (
     AttentionSite,
     sliding_window,
 )
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 from vllm.model_executor.models.transformers.masks import (
     LayerMask,

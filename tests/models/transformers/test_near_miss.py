@@ -17,7 +17,7 @@ from transformers import AutoModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm"
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 from vllm.model_executor.models.transformers.fusion_report import FusionReport
 from vllm.model_executor.models.transformers.report import Style, render
@@ -43,7 +43,7 @@ def assert_located(location: str, package_file: bool = True) -> None:
     if package_file:
         # The fuser or rewrite that decided, not the registry that caught it.
         assert "vllm_transformers_overlay/backend/" in path.as_posix(), location
-        assert path.name != "fuser.py", location
+        assert path.name != "plan.py", location
 
 
 @pytest.mark.parametrize("name", DECLINED)

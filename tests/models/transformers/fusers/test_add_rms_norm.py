@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from vllm import ir
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fuser
+from vllm.model_executor.models.transformers.plan import Fusers, get_fuser
 from vllm.model_executor.models.transformers.fusers import (
     AddRMSNormFuser,
     RMSNormFuser,

@@ -31,7 +31,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import (
     AttentionFuser,
     GLUFuser,

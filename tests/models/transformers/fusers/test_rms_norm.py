@@ -20,7 +20,7 @@ from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fuser
+from vllm.model_executor.models.transformers.plan import Fusers, get_fuser
 from vllm.model_executor.models.transformers.fusers import RMSNormFuser
 
 HIDDEN = 16

@@ -7,7 +7,7 @@ Construction happens in this order, each step owned by one place:
 1. patch the text config to dispatch attention into vLLM, build the HF model with
    its parameters on `meta` (`build_hf_model`);
 2. drop the layers another pipeline stage owns (`parallel.py`);
-3. plan the fusions: class analysis, then what each instance takes (`fuser.py`);
+3. plan the fusions: class analysis, then what each instance takes (`plan.py`);
    apply the plan and swap HF layers for vLLM's tensor-parallel ones (`Base.apply`);
 4. attach a vLLM `Attention` to each module that dispatches it (`attention.py`);
 5. allocate what is still on `meta`; weights load later (`loading.py`).
@@ -56,7 +56,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+from vllm.model_executor.models.transformers.plan import Fusers, get_fusers
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from vllm.model_executor.models.transformers.records import Declined
 
 if TYPE_CHECKING:
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
     from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 _ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(

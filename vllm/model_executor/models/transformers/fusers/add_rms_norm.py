@@ -22,7 +22,7 @@ from vllm.model_executor.models.transformers.rewriting import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 """The fuser contracts.
 
 A fuser describes one pattern recognised in a module class. It is found once per
-module class (see `fuser.py`) and then applied to every instance of that class:
+module class (see `plan.py`) and then applied to every instance of that class:
 
 - `match(graph, module)` only looks, and returns a fuser, `None`, or a `Declined`;
 - `mismatch(module, vllm_config)` says why one instance should not take it (and
@@ -34,7 +34,7 @@ from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
 T = TypeVar("T")
 

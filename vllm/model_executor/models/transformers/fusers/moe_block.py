@@ -29,7 +29,7 @@ from vllm.model_executor.models.transformers.routing import ROUTER_ATTR, Routing
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.model_executor.models.transformers.experts import ExpertsLayout
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
 
 def _experts_calls(tree: ast.AST, module: nn.Module) -> list[ast.Call]:

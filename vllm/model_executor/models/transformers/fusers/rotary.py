@@ -38,7 +38,7 @@ from vllm.model_executor.models.transformers.rewriting import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
 ROTARY_FUNCTION = re.compile(r"rot|rope", re.IGNORECASE)
 """Names of the module-level functions that may apply a rotary embedding

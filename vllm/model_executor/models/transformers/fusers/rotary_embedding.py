@@ -20,7 +20,7 @@ from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Sp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import Fusers
 
 ELEMENTWISE = frozenset({"cos", "sin"}) | fx_utils.CASTS
 """Operators between the concatenation and the outputs acting on each element alone."""

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The registry (`fuser.py`): class analysis cached per key, pure and failing closed;
+"""The registry (`plan.py`): class analysis cached per key, pure and failing closed;
 the instance plan re-checking every instance against the class verdict."""
 
 import importlib.util
@@ -16,7 +16,7 @@ from configs import small_config
 from transformers import AutoConfig, AutoModel, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import (
     AttentionFuser,
     GLUFuser,

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fuser registry: which fusers apply to which modules, in two of the build's
-three stages (DESIGN §4).
+"""The fusion plan (the fuser registry): which fusers apply to which modules, in two
+of the build's three stages (DESIGN §4).
 
 1. Class analysis (`analyse`, cached by `key(module)`: the class and the names of its
    direct children and parameters, so the cost grows with the number of distinct
