@@ -40,7 +40,7 @@ def test_an_instance_unlike_the_analysed_one_declines_with_its_reason(vllm_confi
     parent.silu, parent.relu = silu, relu
     analysed = registry.get_fuser(silu, GLUFuser)
     assert analysed is not None and registry.get_fuser(relu, GLUFuser) is analysed
-    plan = registry.Fusers(parent, vllm_config)
+    plan = registry.FusionPlan(parent, vllm_config)
     assert [type(f) for f in plan[silu]] == [GLUFuser]
     assert plan[relu] == ()
     (declined,) = plan.declined
@@ -99,7 +99,7 @@ def test_planning_writes_nothing_into_the_cached_class_analyses(
         if module is not None:
             module.note = "the second"
     for _ in range(2):
-        registry.Fusers(model, vllm_config)
+        registry.FusionPlan(model, vllm_config)
     assert [_state(f) for f in cached] == before
 
 

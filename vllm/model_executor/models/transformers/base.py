@@ -56,7 +56,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
-from vllm.model_executor.models.transformers.plan import Fusers, get_fusers
+from vllm.model_executor.models.transformers.plan import FusionPlan, get_fusers
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
@@ -383,7 +383,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         }
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
-        self.plan = Fusers(
+        self.plan = FusionPlan(
             self.model,
             vllm_config,
             prefix=BASE,

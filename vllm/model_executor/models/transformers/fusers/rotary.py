@@ -38,7 +38,7 @@ from vllm.model_executor.models.transformers.rewriting import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.plan import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 ROTARY_FUNCTION = re.compile(r"rot|rope", re.IGNORECASE)
 """Names of the module-level functions that may apply a rotary embedding
@@ -491,7 +491,7 @@ class RotaryFuser(BaseFuser):
         return fused
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         return unpaired(plan)
 
     def info(self, name: str, module: nn.Module) -> str:
@@ -515,7 +515,7 @@ def handed_width(embedding: nn.Module) -> int | str:
     return cos.shape[-1] // 2
 
 
-def unpaired(plan: "Fusers") -> str | None:
+def unpaired(plan: "FusionPlan") -> str | None:
     """Why the model's rotary embeddings and the modules that consume them cannot
     take their fusions together, or `None`. Half-width cos and sin are right only for
     the fused rotary function, so every rotary embedding must make them, every module
