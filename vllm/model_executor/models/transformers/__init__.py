@@ -12,7 +12,7 @@ which runs experts on vLLM's fused MoE."""
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     vllm_attention_forward,
     vllm_mla_attention_forward,
 )

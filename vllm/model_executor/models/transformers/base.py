@@ -9,7 +9,7 @@ Construction happens in this order, each step owned by one place:
 2. drop the layers another pipeline stage owns (`parallel.py`);
 3. plan the fusions: class analysis, then what each instance takes (`plan.py`);
    apply the plan and swap HF layers for vLLM's tensor-parallel ones (`Base.apply`);
-4. attach a vLLM `Attention` to each module that dispatches it (`attention.py`);
+4. attach a vLLM `Attention` to each module that dispatches it (`attention_bridge.py`);
 5. allocate what is still on `meta`; weights load later (`loading.py`).
 """
 
@@ -37,7 +37,7 @@ from vllm.model_executor.models.interfaces import (
     SupportsQuant,
 )
 from vllm.model_executor.models.interfaces_base import VllmModel
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     AttentionSite,
     attach_attention,
     attention_sites,
