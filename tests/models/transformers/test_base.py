@@ -110,7 +110,7 @@ BUILD_CODE = (
     "attention_bridge.py",
     "causal.py",
     "pooling.py",
-    "experts.py",
+    "experts_layer.py",
     "multimodal.py",
     "hybrid.py",
     "mixers.py",

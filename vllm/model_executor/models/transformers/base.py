@@ -43,7 +43,7 @@ from vllm.model_executor.models.transformers.attention_bridge import (
     attention_sites,
     refuse_state_beyond_keys_and_values,
 )
-from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS
+from vllm.model_executor.models.transformers.experts_layer import VLLM_EXPERTS
 from vllm.model_executor.models.transformers.loading import (
     BASE,
     CheckpointLayout,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from vllm.model_executor.layers.activation import SwigluOAIAndMul
-from vllm.model_executor.models.transformers.experts import (
+from vllm.model_executor.models.transformers.experts_layer import (
     EXPERTS_ATTR,
     VLLM_EXPERTS,
     ExpertsLayout,

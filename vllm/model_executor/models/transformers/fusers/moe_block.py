@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Self
 
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers.experts import EXPERTS_ATTR
+from vllm.model_executor.models.transformers.experts_layer import EXPERTS_ATTR
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
     RewriteFuser,
@@ -28,7 +28,7 @@ from vllm.model_executor.models.transformers.routing import ROUTER_ATTR, Routing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.experts import ExpertsLayout
+    from vllm.model_executor.models.transformers.experts_layer import ExpertsLayout
     from vllm.model_executor.models.transformers.plan import FusionPlan
 
 
