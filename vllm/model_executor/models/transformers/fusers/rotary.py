@@ -31,6 +31,7 @@ from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
     is_rotary_embedding,
 )
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
+from vllm.model_executor.models.transformers.fusers.probes import Draws
 from vllm.model_executor.models.transformers.rewriting import (
     forward_source,
     loaded_names,
@@ -114,22 +115,17 @@ def _probe(
     args: tuple,
     kwargs: dict[str, Any],
 ) -> bool:
-    generator = torch.Generator().manual_seed(width)
-
-    def draw(*shape: int) -> torch.Tensor:
-        # On the CPU whatever the default device (the report builds on `meta`).
-        return torch.randn(
-            *shape, generator=generator, dtype=torch.float64, device="cpu"
-        )
+    draws = Draws(seed=width)
 
     def heads(count: int) -> torch.Tensor:
         shape = [1, count, _PROBE_TOKENS, channels]
         if head_dim_at == 2:
             shape[1], shape[2] = shape[2], shape[1]
-        return draw(*shape)
+        return draws.normal(shape)
 
     q, k = heads(_PROBE_HEADS), heads(_PROBE_KV_HEADS)
-    cos, sin = draw(1, _PROBE_TOKENS, width), draw(1, _PROBE_TOKENS, width)
+    cos = draws.normal((1, _PROBE_TOKENS, width))
+    sin = draws.normal((1, _PROBE_TOKENS, width))
     try:
         with torch.no_grad():
             out = function(

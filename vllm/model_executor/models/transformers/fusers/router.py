@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
     ProbeResults,
     RewriteFuser,
 )
+from vllm.model_executor.models.transformers.fusers.probes import Draws, failed
 from vllm.model_executor.models.transformers.routing import (
     ROUTER_ATTR,
     Role,
@@ -502,31 +503,29 @@ class RouterFuser(RewriteFuser):
         """`module` run on a random probe of `dtype` (its tensors random too),
         or why it fails."""
         assert self.routing is not None
-        generator = torch.Generator(device="cpu").manual_seed(0)
+        draws = Draws()
         weight = module.get_parameter(self.weight)
         num_experts, hidden = weight.shape
-
-        def random(shape, std: float) -> torch.Tensor:
-            return std * torch.randn(shape, generator=generator, dtype=dtype)
-
         tensors = {
-            name: random(t.shape, 0.3)
+            name: draws.normal(t.shape, 0.3, dtype)
             for name, t in itertools.chain(
                 module.named_parameters(), module.named_buffers()
             )
             if t.is_floating_point()
         }
         # Logits spread a few units apart, so float32 rounding ties no choices.
-        tensors[self.weight] = random(weight.shape, 2.0 / hidden**0.5)
-        x = random((1, _PROBE_TOKENS, hidden)[-rank:], 1.0)
+        tensors[self.weight] = draws.normal(weight.shape, 2.0 / hidden**0.5, dtype)
+        x = draws.normal((1, _PROBE_TOKENS, hidden)[-rank:], 1.0, dtype)
         handed = (
-            (random((num_experts,), 0.3),) if self.routing.correction_handed_in else ()
+            (draws.normal((num_experts,), 0.3, dtype),)
+            if self.routing.correction_handed_in
+            else ()
         )
         try:
             with torch.no_grad():
                 outputs = torch.func.functional_call(module, tensors, (x, *handed))
         except Exception as error:  # noqa: BLE001 - a router we cannot run is declined
-            return f"it fails on a probe: {type(error).__name__}: {error}"
+            return failed(error)
         if not isinstance(outputs, tuple) or len(outputs) != len(self.routing.outputs):
             return "it does not return the outputs its dataflow shows"
         return _Run(outputs, tensors, x, handed)
