@@ -31,7 +31,7 @@ stock backend refuses, so it is measured beside native only) and each mode (`--m
    the whole model built for Llama configs of 2, 8, 32 and 128 layers (the best of
    three builds each); per layer is
    the slope between 2 and 128 layers. For this backend also the fuser detection time
-   (`Fusers(...)`, every cache cleared first), which should not grow with depth.
+   (`FusionPlan(...)`, every cache cleared first), which should not grow with depth.
 
 It writes a JSON summary to `.cache/benchmarks/latest.json`, prints markdown tables
 for the README and plots the ratios to native (`.cache/benchmarks/latest.png`,
@@ -721,9 +721,9 @@ def print_profiles(profiles: dict[str, dict[str, Any]]) -> None:
 
 def _clear_caches() -> None:
     """Forget every fuser verdict and every per-class analysis this process made."""
-    from vllm.model_executor.models.transformers import fuser, rewriting, tracing
+    from vllm.model_executor.models.transformers import plan, rewriting, tracing
 
-    fuser.clear_cache()
+    plan.clear_cache()
     for module in (rewriting, tracing):
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
@@ -788,12 +788,12 @@ def construct_once(variant: str, layers: int) -> dict[str, Any]:
 def _detect(vllm_config) -> dict[str, Any]:
     """The fuser registry alone (this backend), over the HF model it builds."""
     from vllm.model_executor.models.transformers.base import build_hf_model
-    from vllm.model_executor.models.transformers.fuser import Fusers, analysed
+    from vllm.model_executor.models.transformers.plan import FusionPlan, analysed
 
     hf_model = build_hf_model(vllm_config)
     _clear_caches()
     started = time.perf_counter()
-    fusers = Fusers(hf_model.base_model, vllm_config)
+    fusers = FusionPlan(hf_model.base_model, vllm_config)
     return dict(
         detect_s=time.perf_counter() - started,
         modules_with_fusers=len(fusers),

@@ -5,7 +5,7 @@
 For every causal-LM `model_type` Transformers knows: a two-layer config, the model
 built on `meta` with its attention dispatched to `"vllm"` (as the backend builds it),
 and the plan each backend's fuser registry makes for it. Both registries keep the same
-contract, `Fusers(model, vllm_config)[module]` -> the fusers that instance takes, so
+contract, `FusionPlan(model, vllm_config)[module]` -> the fusers that instance takes, so
 the two are counted the same way: a model type counts for a column when at least one
 of its modules takes a fuser of that kind. Each backend is swept in its own
 subprocess (`VLLM_TRANSFORMERS_BACKEND=project|stock`).
@@ -86,7 +86,7 @@ def _kinds(model_type: str) -> list[str]:
     )
 
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
     config = AutoConfig.for_model(model_type, num_hidden_layers=2)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
@@ -98,7 +98,7 @@ def _kinds(model_type: str) -> list[str]:
     )
     with set_current_vllm_config(vllm_config), torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config.hf_config)
-        plan = Fusers(model, vllm_config)
+        plan = FusionPlan(model, vllm_config)
         return sorted(
             {
                 KINDS[type(fuser).__name__]

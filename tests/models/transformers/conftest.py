@@ -21,7 +21,7 @@ from vllm.config import (
     VllmConfig,
     set_current_vllm_config,
 )
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers import report
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper

@@ -107,10 +107,10 @@ def test_two_modules_claiming_one_layer_index_is_an_error(build_backend, monkeyp
 
 BUILD_CODE = (
     "base.py",
-    "attention.py",
+    "attention_bridge.py",
     "causal.py",
     "pooling.py",
-    "experts.py",
+    "experts_layer.py",
     "multimodal.py",
     "hybrid.py",
     "mixers.py",
@@ -351,7 +351,7 @@ def test_state_kept_in_transformers_cache_is_an_error_naming_the_module(
 
 
 def test_only_state_beyond_keys_and_values_is_refused():
-    from vllm.model_executor.models.transformers.attention import cache_state_use
+    from vllm.model_executor.models.transformers.attention_bridge import cache_state_use
 
     def module(body: str) -> type[torch.nn.Module]:
         namespace: dict = {}

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's fused MoE for HF experts modules (`experts.py`), in-process on the CPU:
+"""vLLM's fused MoE for HF experts modules (`experts_layer.py`), in-process on the CPU:
 the `"vllm"` experts function equals Transformers' experts; fused 3-D and per-expert
 checkpoint tensors load alike; each tensor-parallel rank takes its share of the
 gate/up rows and each expert-parallel rank only its experts."""
@@ -18,7 +18,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.models.transformers.experts import (
+from vllm.model_executor.models.transformers.experts_layer import (
     VLLM_EXPERTS,
     VllmExperts,
     vllm_experts_forward,

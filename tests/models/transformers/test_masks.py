@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The window each decoder layer's mask applies, read from the model's own forward
 (`masks.py`), and the window vLLM's attention is built with checked against it
-(`attention.sliding_window`)."""
+(`attention_bridge.sliding_window`)."""
 
 import pytest
 import torch
@@ -11,11 +11,11 @@ from transformers import AutoModel
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm"
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     AttentionSite,
     sliding_window,
 )
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 from vllm.model_executor.models.transformers.masks import (
     LayerMask,

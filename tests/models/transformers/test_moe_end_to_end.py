@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """End to end on the CPU engine: mixture-of-experts models equal Transformers' own
-output, their experts served by vLLM's fused MoE (`experts.py`).
+output, their experts served by vLLM's fused MoE (`experts_layer.py`).
 
 Same harness as `test_coverage.py`: tiny float32 checkpoints (`tiny.py`, whose recipes
 say what each one exercises), greedy tokens equal to Transformers' `generate`,

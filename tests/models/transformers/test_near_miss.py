@@ -17,7 +17,7 @@ from transformers import AutoModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm"
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 from vllm.model_executor.models.transformers.fusion_report import FusionReport
 from vllm.model_executor.models.transformers.report import Style, render
@@ -43,7 +43,7 @@ def assert_located(location: str, package_file: bool = True) -> None:
     if package_file:
         # The fuser or rewrite that decided, not the registry that caught it.
         assert "vllm_transformers_overlay/backend/" in path.as_posix(), location
-        assert path.name != "fuser.py", location
+        assert path.name != "plan.py", location
 
 
 @pytest.mark.parametrize("name", DECLINED)
@@ -52,7 +52,7 @@ def test_near_miss_is_declined_naming_the_module_and_the_code_that_decided(
 ):
     case = CORPUS[name]
     module = case.build()
-    plan = registry.Fusers(module, vllm_config)
+    plan = registry.FusionPlan(module, vllm_config)
     assert case.fuser not in [type(f).__name__ for f in plan[module]]
     (declined,) = [
         d for d in registry.analyse(module).declined if d.fuser == case.fuser
@@ -70,7 +70,7 @@ def test_report_shows_the_same_reason_and_location(name, vllm_config):
     case = CORPUS[name]
     module = case.build()
     report = FusionReport(model=name)
-    report.record_plan(registry.Fusers(module, vllm_config))
+    report.record_plan(registry.FusionPlan(module, vllm_config))
     (declined,) = [
         d for d in registry.analyse(module).declined if d.fuser == case.fuser
     ]
@@ -112,10 +112,10 @@ def test_near_miss_is_fused_at_one_rank_and_declined_per_instance_at_two(
 ):
     case = CORPUS[name]
     module = case.build()
-    one_rank = registry.Fusers(module, vllm_config)
+    one_rank = registry.FusionPlan(module, vllm_config)
     assert case.fuser in [type(f).__name__ for f in one_rank[module]]
     monkeypatch.setattr(vllm_config.parallel_config, "tensor_parallel_size", 2)
-    plan = registry.Fusers(module, vllm_config)
+    plan = registry.FusionPlan(module, vllm_config)
     assert case.fuser not in [type(f).__name__ for f in plan[module]]
     (declined,) = [d for d in plan.declined if d.fuser == case.fuser]
     assert case.declined_at_tp in declined.reason, declined.reason
@@ -142,7 +142,7 @@ def test_every_fusion_declined_building_real_architectures_has_a_reason_and_loca
         except Exception:  # noqa: BLE001 - configs Transformers cannot build small
             continue
         built += 1
-        plan = registry.Fusers(model, vllm_config)
+        plan = registry.FusionPlan(model, vllm_config)
         for analysis in plan.analyses.values():
             for declined in analysis.declined:
                 class_declines += 1

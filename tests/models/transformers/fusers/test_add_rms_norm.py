@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from vllm import ir
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fuser
+from vllm.model_executor.models.transformers.plan import FusionPlan, get_fuser
 from vllm.model_executor.models.transformers.fusers import (
     AddRMSNormFuser,
     RMSNormFuser,
@@ -54,7 +54,7 @@ def kernel_calls(monkeypatch) -> list[int]:
 def fuse_plan(model: nn.Module, vllm_config, fusers=(AddRMSNormFuser, RMSNormFuser)):
     """`model` with the plan's `fusers` applied (children first), every other module
     left as Transformers' own; the weights copied across."""
-    plan = Fusers(model, vllm_config)
+    plan = FusionPlan(model, vllm_config)
     for name, module in reversed(list(model.named_modules())):
         for fuser in plan[module]:
             if not isinstance(fuser, fusers):
@@ -281,7 +281,8 @@ def test_a_declined_site_fused_anyway_is_wrong_where_the_kernel_writes_in_place(
 def test_a_norm_not_on_vllms_kernel_keeps_every_add_apart(vllm_config):
     # A LayerNorm without bias looks like a norm, but it is no RMSNorm: the plan
     # withdraws the fused add from every layer.
-    plan = Fusers(Stack(norm=functools.partial(nn.LayerNorm, bias=False)), vllm_config)
+    no_bias = functools.partial(nn.LayerNorm, bias=False)
+    plan = FusionPlan(Stack(norm=no_bias), vllm_config)
     assert not any(isinstance(f, AddRMSNormFuser) for m in plan for f in plan[m])
     reasons = {d.reason for d in plan.declined if d.fuser == "AddRMSNormFuser"}
     assert len(reasons) == 1

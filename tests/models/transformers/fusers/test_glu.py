@@ -17,7 +17,7 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import GLUFuser
 
 HIDDEN, INTERMEDIATE = 16, 24
@@ -217,7 +217,7 @@ def test_near_misses_are_declined_with_a_reason(module, reason, declined):
 def test_an_activation_module_is_traced_once_per_state(monkeypatch):
     """Each instance's activation is checked, but a model holds one per layer: one
     trace per class and attributes, so checking grows with classes, not depth."""
-    from vllm.model_executor.models.transformers import fuser as registry
+    from vllm.model_executor.models.transformers import plan as registry
     from vllm.model_executor.models.transformers.fusers import glu
 
     traced = []

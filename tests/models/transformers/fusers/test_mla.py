@@ -27,9 +27,9 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
+from vllm.model_executor.models.transformers.plan import get_fuser, get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser, MLAFuser
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
 HIDDEN, HEADS, RANK, ROPE, NOPE, V_HEAD, Q_RANK = 128, 4, 512, 64, 64, 64, 96

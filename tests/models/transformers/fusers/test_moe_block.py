@@ -21,8 +21,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
-from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS, VllmExperts
-from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
+from vllm.model_executor.models.transformers.experts_layer import (
+    VLLM_EXPERTS,
+    VllmExperts,
+)
+from vllm.model_executor.models.transformers.plan import get_fuser, get_fusers
 from vllm.model_executor.models.transformers.fusers import (
     ExpertsFuser,
     MoEBlockFuser,

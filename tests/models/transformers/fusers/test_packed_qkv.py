@@ -15,7 +15,7 @@ from near_miss import PackedViewedWithHeadCount
 from transformers.pytorch_utils import Conv1D
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import PackedQKVFuser, QKVFuser
 
 HIDDEN, HEAD, HEADS, KV_HEADS = 32, 8, 4, 2

@@ -31,7 +31,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import (
     AttentionFuser,
     GLUFuser,
@@ -250,7 +250,7 @@ def fused_and_original(
 @pytest.fixture
 def why_not(vllm_config: VllmConfig) -> Callable[[nn.Module], str]:
     """`why_not(module)`: every fusion declined for `module`, as the registry says."""
-    return lambda module: registry.Fusers(module, vllm_config).why_not(module)
+    return lambda module: registry.FusionPlan(module, vllm_config).why_not(module)
 
 
 # --- real architectures -----------------------------------------------------------

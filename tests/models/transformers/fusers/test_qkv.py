@@ -16,8 +16,8 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.models.transformers.fuser import get_fuser, get_fusers
-from vllm.model_executor.models.transformers.fuser import key as registry_key
+from vllm.model_executor.models.transformers.plan import get_fuser, get_fusers
+from vllm.model_executor.models.transformers.plan import key as registry_key
 from vllm.model_executor.models.transformers.fusers import AttentionFuser, QKVFuser
 from vllm.model_executor.models.transformers.fusers.heads import HeadLayout
 

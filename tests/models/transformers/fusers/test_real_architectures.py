@@ -9,7 +9,7 @@ from torch import nn
 from transformers import AutoModel
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm" attention
-from vllm.model_executor.models.transformers.fuser import get_fusers
+from vllm.model_executor.models.transformers.plan import get_fusers
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 
 # The rotary function's fusion is found per class; the plan pairs it with the model's

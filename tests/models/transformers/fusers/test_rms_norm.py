@@ -20,7 +20,7 @@ from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fuser
+from vllm.model_executor.models.transformers.plan import FusionPlan, get_fuser
 from vllm.model_executor.models.transformers.fusers import RMSNormFuser
 
 HIDDEN = 16
@@ -312,7 +312,7 @@ class Gemma3nNorms(nn.Module):
 
 def test_each_instance_is_fused_as_what_it_computes(vllm_config):
     model = Gemma3nNorms()
-    plan = Fusers(model, vllm_config)
+    plan = FusionPlan(model, vllm_config)
     assert plan.declined == []
     fused = {}
     for name, norm in model.named_children():
@@ -381,7 +381,7 @@ def test_every_norm_of_a_real_model_is_fused(
     config._attn_implementation = "vllm"
     with torch.device("meta"):
         model = AutoModel.from_config(config)
-    plan = Fusers(model, vllm_config)
+    plan = FusionPlan(model, vllm_config)
     norms = [m for m in model.modules() if type(m) is norm_class]
     assert norms and all(
         [type(f) for f in plan[m]] == [RMSNormFuser] for m in norms

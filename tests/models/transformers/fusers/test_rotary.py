@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.phi.modeling_phi import PhiAttention, PhiRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3Attention, Phi3RotaryEmbedding
 
-from vllm.model_executor.models.transformers import fuser as registry
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers import plan as registry
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import (
     RotaryEmbeddingFuser,
     RotaryFuser,

@@ -25,7 +25,7 @@ from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRout
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import RouterFuser
 from vllm.model_executor.models.transformers.routing import ROUTER_ATTR, VllmRouter
 

@@ -12,13 +12,13 @@ which runs experts on vLLM's fused MoE."""
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     vllm_attention_forward,
     vllm_mla_attention_forward,
 )
 from vllm.model_executor.models.transformers.causal import CausalMixin
 from vllm.model_executor.models.transformers.hybrid import HybridMixin
-from vllm.model_executor.models.transformers.experts import (
+from vllm.model_executor.models.transformers.experts_layer import (
     VLLM_EXPERTS,
     vllm_experts_forward,
 )
@@ -42,7 +42,7 @@ class TransformersForCausalLM(CausalMixin):
 
 class TransformersMoEForCausalLM(CausalMixin):
     """A mixture-of-experts causal LM from Transformers: its experts run on vLLM's
-    fused MoE (`experts.py`), the rest as in a dense one."""
+    fused MoE (`experts_layer.py`), the rest as in a dense one."""
 
 
 class TransformersHybridForCausalLM(HybridMixin):
@@ -71,12 +71,12 @@ class TransformersMultiModalForCausalLM(MultiModalMixin, CausalMixin):
 @register_processor
 class TransformersMultiModalMoEForCausalLM(MultiModalMixin, CausalMixin):
     """A vision-language model whose text decoder is a mixture of experts (run on
-    vLLM's fused MoE, `experts.py`)."""
+    vLLM's fused MoE, `experts_layer.py`)."""
 
 
 class TransformersMoEEmbeddingModel(EmbeddingMixin):
     """A mixture-of-experts embedding model: its experts on vLLM's fused MoE
-    (`experts.py`), pooled as a dense one's."""
+    (`experts_layer.py`), pooled as a dense one's."""
 
 
 class TransformersMoEForSequenceClassification(SequenceClassificationMixin):

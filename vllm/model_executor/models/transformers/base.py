@@ -7,9 +7,9 @@ Construction happens in this order, each step owned by one place:
 1. patch the text config to dispatch attention into vLLM, build the HF model with
    its parameters on `meta` (`build_hf_model`);
 2. drop the layers another pipeline stage owns (`parallel.py`);
-3. plan the fusions: class analysis, then what each instance takes (`fuser.py`);
+3. plan the fusions: class analysis, then what each instance takes (`plan.py`);
    apply the plan and swap HF layers for vLLM's tensor-parallel ones (`Base.apply`);
-4. attach a vLLM `Attention` to each module that dispatches it (`attention.py`);
+4. attach a vLLM `Attention` to each module that dispatches it (`attention_bridge.py`);
 5. allocate what is still on `meta`; weights load later (`loading.py`).
 """
 
@@ -37,13 +37,13 @@ from vllm.model_executor.models.interfaces import (
     SupportsQuant,
 )
 from vllm.model_executor.models.interfaces_base import VllmModel
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     AttentionSite,
     attach_attention,
     attention_sites,
     refuse_state_beyond_keys_and_values,
 )
-from vllm.model_executor.models.transformers.experts import VLLM_EXPERTS
+from vllm.model_executor.models.transformers.experts_layer import VLLM_EXPERTS
 from vllm.model_executor.models.transformers.loading import (
     BASE,
     CheckpointLayout,
@@ -56,7 +56,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
-from vllm.model_executor.models.transformers.fuser import Fusers, get_fusers
+from vllm.model_executor.models.transformers.plan import FusionPlan, get_fusers
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
@@ -383,7 +383,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         }
 
         # Stages 1 and 2: what each module class matches, what each instance takes.
-        self.plan = Fusers(
+        self.plan = FusionPlan(
             self.model,
             vllm_config,
             prefix=BASE,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from vllm.model_executor.models.transformers.records import Declined
 
 if TYPE_CHECKING:
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
     from vllm.model_executor.models.transformers.fusers.base import BaseFuser
 
 _ACTIVE: contextvars.ContextVar["FusionReport | None"] = contextvars.ContextVar(
@@ -121,7 +121,7 @@ class FusionReport:
                 self.beside.append(fuser.kind)
         self.fused_projections += sum(map(len, fuser.packed_modules_mapping.values()))
 
-    def record_plan(self, plan: "Fusers") -> None:
+    def record_plan(self, plan: "FusionPlan") -> None:
         """Keep what the plan declined: per class, and per instance (located by the
         module's name)."""
         for module_class, analysis in plan.analyses.items():

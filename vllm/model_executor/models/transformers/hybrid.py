@@ -27,7 +27,7 @@ from vllm.model_executor.models.interfaces import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer
-from vllm.model_executor.models.transformers.attention import (
+from vllm.model_executor.models.transformers.attention_bridge import (
     AttentionSite,
     cache_state_use,
 )

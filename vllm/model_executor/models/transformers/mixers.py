@@ -43,7 +43,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateShapeCalculator,
 )
 from vllm.model_executor.layers.mamba.short_conv import ShortConv
-from vllm.model_executor.models.transformers.attention import CACHE_PARAMETERS
+from vllm.model_executor.models.transformers.attention_bridge import CACHE_PARAMETERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

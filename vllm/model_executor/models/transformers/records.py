@@ -29,7 +29,7 @@ class AttentionNeeds:
     (model-wide values are wrong for models with per-layer head sizes or windows).
 
     Head counts are the module's totals; how many of them each tensor-parallel rank
-    feeds is decided once its projections are swapped (`attention.py`)."""
+    feeds is decided once its projections are swapped (`attention_bridge.py`)."""
 
     layer_index: int
     num_heads: int

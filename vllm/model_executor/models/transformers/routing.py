@@ -17,7 +17,7 @@ from vllm.model_executor.layers.fused_moe.router.router_factory import (
     create_fused_moe_router,
 )
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.transformers.experts import pack_choice
+from vllm.model_executor.models.transformers.experts_layer import pack_choice
 
 ROUTER_ATTR = "vllm_router"
 """Where the vLLM router lives on the HF router module."""

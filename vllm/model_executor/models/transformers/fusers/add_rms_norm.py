@@ -22,7 +22,7 @@ from vllm.model_executor.models.transformers.rewriting import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ class AddRMSNormFuser(RewriteFuser):
         return None
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         for module, fuser in plan.taking(cls):
             for norm in fuser.norms:
                 child = getattr(module, norm)

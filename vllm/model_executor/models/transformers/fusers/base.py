@@ -3,7 +3,7 @@
 """The fuser contracts.
 
 A fuser describes one pattern recognised in a module class. It is found once per
-module class (see `fuser.py`) and then applied to every instance of that class:
+module class (see `plan.py`) and then applied to every instance of that class:
 
 - `match(graph, module)` only looks, and returns a fuser, `None`, or a `Declined`;
 - `mismatch(module, vllm_config)` says why one instance should not take it (and
@@ -34,7 +34,7 @@ from vllm.model_executor.models.transformers.rewriting import FusionDeclined  # 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 T = TypeVar("T")
 
@@ -137,7 +137,7 @@ class BaseFuser:
         return None
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         """Why no instance in the model may take this fuser, given what the plan gives
         the other modules (a fusion whose output another module must consume);
         `None` when the plan is consistent. Run on the whole plan, before anything

@@ -14,13 +14,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from vllm.model_executor.layers.activation import SwigluOAIAndMul
-from vllm.model_executor.models.transformers.experts import (
+from vllm.model_executor.models.transformers.experts_layer import (
     EXPERTS_ATTR,
     VLLM_EXPERTS,
     ExpertsLayout,
     VllmExperts,
 )
 from vllm.model_executor.models.transformers.fusers.base import BaseFuser, Declined
+from vllm.model_executor.models.transformers.fusers.probes import Draws, failed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,12 +71,7 @@ _PROBE_WIDTH = 16
 
 def _probe() -> torch.Tensor:
     """Inputs for a gate: float64, wide enough to pass any clamp vLLM applies."""
-    # On the CPU whatever the default device: the report builds models on `meta`.
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(
-        64, 2 * _PROBE_WIDTH, generator=generator, dtype=torch.float64, device="cpu"
-    )
-    return x * 6
+    return Draws().normal((64, 2 * _PROBE_WIDTH)) * 6
 
 
 def gate_activation(module: nn.Module) -> tuple[str, bool] | str:
@@ -86,7 +82,7 @@ def gate_activation(module: nn.Module) -> tuple[str, bool] | str:
         with torch.no_grad():
             computed = module._apply_gate(probe)
     except Exception as error:  # noqa: BLE001 - a gate we cannot run is declined
-        return f"its gate `_apply_gate` fails on a probe: {type(error).__name__}: {error}"
+        return failed(error, "its gate `_apply_gate`")
     if not isinstance(computed, torch.Tensor) or computed.shape != (64, _PROBE_WIDTH):
         return "its gate `_apply_gate` does not halve the gate-and-up projection"
     for name, concatenated, reference in _CANDIDATES:

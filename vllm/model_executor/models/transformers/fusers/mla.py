@@ -19,6 +19,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fx_utils, rewriting, tracing
 from vllm.model_executor.models.transformers.fusers.base import (
     AttentionNeeds,
+    Declined,
     FusionDeclined,
     StackedFuser,
 )
@@ -104,6 +105,49 @@ def _down_chains(graph: fx.Graph, module: nn.Module) -> list[_Chain]:
         chains.append(_Chain(linear, node))
     counts = [c.linear for c in chains]
     return [c for c in chains if counts.count(c.linear) == 1]
+
+
+def _kv_and_query_chains(
+    graph: fx.Graph, module: nn.Module
+) -> tuple[list[_Chain], list[_Chain]]:
+    """The down-projection chains by role: a KV chain's norm is narrower than its
+    linear (the rest of the linear's output is the rotary key), a query LoRA chain's
+    as wide. A chain whose norm is wider than its linear is neither."""
+    kv_chains, q_chains = [], []
+    for chain in _down_chains(graph, module):
+        linear_width, norm_width = chain.widths(module)
+        if norm_width is None or norm_width > linear_width:
+            continue
+        (kv_chains if linear_width > norm_width else q_chains).append(chain)
+    return kv_chains, q_chains
+
+
+@dataclass(frozen=True)
+class _KVPath:
+    """`kv_b(norm(kv_a(x)[..., :rank]))` into the attention call."""
+
+    chain: _Chain
+    attention: fx.Node
+    kv_b: fx.Node
+
+
+@dataclass(frozen=True)
+class _QueryPath:
+    """`q_proj(norm(q_a(x)))` with query LoRA, else `q_proj(x)`."""
+
+    q_a: fx.Node | None
+    q_norm: fx.Node | None
+    q_proj: fx.Node
+
+
+def _output_projection(
+    graph: fx.Graph, module: nn.Module, attention: fx.Node
+) -> fx.Node | None:
+    """The linear the forward returns, if it projects the attention's output."""
+    output = fx_utils.returned_linear(graph, module)
+    if output is not None and not fx_utils.upstream(output, lambda n: n is attention):
+        return None  # the module returns something else than the attention, projected
+    return output
 
 
 def _linear_before(
@@ -245,15 +289,59 @@ class MLAFuser(StackedFuser):
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | None:
         if graph is None:
             return None
-        chains = _down_chains(graph, module)
-        kv_chains, q_chains = [], []
-        for chain in chains:
-            linear_width, norm_width = chain.widths(module)
-            if norm_width is None or norm_width > linear_width:
-                continue
-            (kv_chains if linear_width > norm_width else q_chains).append(chain)
+        kv_chains, q_chains = _kv_and_query_chains(graph, module)
         if not kv_chains:
             return None
+        kv = cls._kv_path(graph, module, kv_chains)
+        if isinstance(kv, Declined):
+            return kv
+        query = cls._query_path(graph, module, q_chains, kv)
+        if isinstance(query, Declined):
+            return query
+        if (declined := cls._unfit_attention_inputs(module, kv, query)) is not None:
+            return declined
+        output = _output_projection(graph, module, kv.attention)
+        linears = [
+            n.target
+            for n in (query.q_a, query.q_proj, kv.chain.linear, kv.kv_b, output)
+            if n is not None
+        ]
+        if reason := called_once(graph, linears):
+            return cls.decline(module, reason)
+
+        kv_a = kv.chain.linear.target
+        spans = {
+            "expansion": kv.kv_b.meta.get("span"),
+            "attention": kv.attention.meta.get("span"),
+        }
+        shards: dict[str, int] = {}
+        fused_name = ""
+        if query.q_a is not None:
+            shards = {query.q_a.target: 0, kv_a: 1}
+            fused_name = rewriting.fresh_attribute(module, "fused_qkv_a_proj")
+            spans[query.q_a.target], spans[kv_a] = (
+                query.q_a.meta.get("span"),
+                kv.chain.linear.meta.get("span"),
+            )
+        return cls(
+            fused_name=fused_name,
+            shards=shards,
+            q_a=None if query.q_a is None else query.q_a.target,
+            q_norm=None if query.q_norm is None else query.q_norm.target,
+            q_proj=query.q_proj.target,
+            kv_a=kv_a,
+            kv_norm=kv.chain.norm.target,
+            kv_b=kv.kv_b.target,
+            o_proj=None if output is None else output.target,
+            spans=spans,
+        )
+
+    @classmethod
+    def _kv_path(
+        cls, graph: fx.Graph, module: nn.Module, kv_chains: list[_Chain]
+    ) -> _KVPath | Declined:
+        """The one KV down-projection chain, its norm an RMSNorm, and the bias-free
+        linear that expands the latent before the one attention call."""
         if len(kv_chains) > 1:
             names = ", ".join(
                 f"{c.linear.target} -> {c.norm.target}" for c in kv_chains
@@ -288,39 +376,26 @@ class MLAFuser(StackedFuser):
             return cls.decline(
                 module, f"{kv_b.target} has a bias, which MLA cannot absorb"
             )
+        return _KVPath(kv, attention, kv_b)
 
-        q_a = q_norm = None
+    @classmethod
+    def _query_path(
+        cls,
+        graph: fx.Graph,
+        module: nn.Module,
+        q_chains: list[_Chain],
+        kv: _KVPath,
+    ) -> _QueryPath | Declined:
+        """The query LoRA (`q_b(norm(q_a(x)))`, `q_a` mergeable with `kv_a`) if the
+        module has one chain for it, else the one other linear on the input."""
+        kv_a = kv.chain.linear.target
         if len(q_chains) > 1:
             return cls.decline(module, f"{len(q_chains)} candidate query LoRA chains")
-        if q_chains:
-            (q,) = q_chains
-            q_a, q_norm = q.linear, q.norm
-            if not _is_rms_norm(module.get_submodule(q_norm.target)):
-                return cls.decline(
-                    module, f"the query LoRA norm {q_norm.target} is not an RMSNorm"
-                )
-            q_proj = _linear_before(q_norm, attention, module)
-            if q_proj is None:
-                return cls.decline(
-                    module,
-                    f"no single linear up-projects the query {q_norm.target} normalises",
-                )
-            if q_a.args[0] is not kv.linear.args[0]:
-                return cls.decline(
-                    module, f"{q_a.target} and {kv_a} read different inputs"
-                )
-            biases = {
-                module.get_submodule(n.target).bias is None for n in (q_a, kv.linear)
-            }
-            if len(biases) != 1:
-                return cls.decline(
-                    module, f"only one of {q_a.target} and {kv_a} has a bias"
-                )
-        else:
+        if not q_chains:
             others = [
                 n
                 for n in graph.nodes
-                if fx_utils.is_linear_on_input(n, module) and n is not kv.linear
+                if fx_utils.is_linear_on_input(n, module) and n is not kv.chain.linear
             ]
             if len(others) != 1:
                 return cls.decline(
@@ -328,10 +403,39 @@ class MLAFuser(StackedFuser):
                     f"{len(others)} linears besides {kv_a} read the input; without query "
                     "LoRA exactly one is the query projection",
                 )
-            (q_proj,) = others
+            return _QueryPath(q_a=None, q_norm=None, q_proj=others[0])
+        (q,) = q_chains
+        q_a, q_norm = q.linear, q.norm
+        if not _is_rms_norm(module.get_submodule(q_norm.target)):
+            return cls.decline(
+                module, f"the query LoRA norm {q_norm.target} is not an RMSNorm"
+            )
+        q_proj = _linear_before(q_norm, kv.attention, module)
+        if q_proj is None:
+            return cls.decline(
+                module,
+                f"no single linear up-projects the query {q_norm.target} normalises",
+            )
+        if q_a.args[0] is not kv.chain.linear.args[0]:
+            return cls.decline(module, f"{q_a.target} and {kv_a} read different inputs")
+        biases = {
+            module.get_submodule(n.target).bias is None for n in (q_a, kv.chain.linear)
+        }
+        if len(biases) != 1:
+            return cls.decline(
+                module, f"only one of {q_a.target} and {kv_a} has a bias"
+            )
+        return _QueryPath(q_a=q_a, q_norm=q_norm, q_proj=q_proj)
 
-        query, key, value = attention.args[:3]
-        if _linears_upstream(query, module) != {q_proj}:
+    @classmethod
+    def _unfit_attention_inputs(
+        cls, module: nn.Module, kv: _KVPath, query: _QueryPath
+    ) -> Declined | None:
+        """Why the attention call's inputs are not the query from `q_proj` alone and
+        the key and value from one call that applies `kv_b`; `None` when they are."""
+        q_proj, kv_b = query.q_proj, kv.kv_b
+        query_in, key, value = kv.attention.args[:3]
+        if _linears_upstream(query_in, module) != {q_proj}:
             return cls.decline(
                 module,
                 f"the query reaching attention is not computed from {q_proj.target} alone",
@@ -352,41 +456,7 @@ class MLAFuser(StackedFuser):
                 f"{kv_b.target} is not applied inside one call that returns the key and "
                 "value (a KV-expansion method the forward could skip)",
             )
-        output = fx_utils.returned_linear(graph, module)
-        if output is not None and not fx_utils.upstream(
-            output, lambda n: n is attention
-        ):
-            output = (
-                None  # the module returns something else than the attention, projected
-            )
-        linears = [
-            n.target for n in (q_a, q_proj, kv.linear, kv_b, output) if n is not None
-        ]
-        if reason := called_once(graph, linears):
-            return cls.decline(module, reason)
-
-        spans = {"expansion": expansion, "attention": attention.meta.get("span")}
-        shards: dict[str, int] = {}
-        fused_name = ""
-        if q_a is not None:
-            shards = {q_a.target: 0, kv_a: 1}
-            fused_name = rewriting.fresh_attribute(module, "fused_qkv_a_proj")
-            spans[q_a.target], spans[kv_a] = (
-                q_a.meta.get("span"),
-                kv.linear.meta.get("span"),
-            )
-        return cls(
-            fused_name=fused_name,
-            shards=shards,
-            q_a=None if q_a is None else q_a.target,
-            q_norm=None if q_norm is None else q_norm.target,
-            q_proj=q_proj.target,
-            kv_a=kv_a,
-            kv_norm=kv_norm,
-            kv_b=kv_b.target,
-            o_proj=None if output is None else output.target,
-            spans=spans,
-        )
+        return None
 
     # Per instance ---------------------------------------------------------------
 

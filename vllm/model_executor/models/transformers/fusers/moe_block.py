@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Self
 
 from torch import fx, nn
 
-from vllm.model_executor.models.transformers.experts import EXPERTS_ATTR
+from vllm.model_executor.models.transformers.experts_layer import EXPERTS_ATTR
 from vllm.model_executor.models.transformers.fusers.base import (
     Declined,
     RewriteFuser,
@@ -28,8 +28,8 @@ from vllm.model_executor.models.transformers.routing import ROUTER_ATTR, Routing
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.experts import ExpertsLayout
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.experts_layer import ExpertsLayout
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 
 def _experts_calls(tree: ast.AST, module: nn.Module) -> list[ast.Call]:
@@ -189,7 +189,7 @@ class MoEBlockFuser(RewriteFuser):
         return None
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         for module, fuser in plan.taking(cls):
             router, experts = (
                 getattr(module, name) for name in (fuser.router, fuser.experts)

@@ -31,6 +31,7 @@ from vllm.model_executor.models.transformers.fusers.rotary_embedding import (
     is_rotary_embedding,
 )
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
+from vllm.model_executor.models.transformers.fusers.probes import Draws
 from vllm.model_executor.models.transformers.rewriting import (
     forward_source,
     loaded_names,
@@ -38,7 +39,7 @@ from vllm.model_executor.models.transformers.rewriting import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 ROTARY_FUNCTION = re.compile(r"rot|rope", re.IGNORECASE)
 """Names of the module-level functions that may apply a rotary embedding
@@ -114,22 +115,17 @@ def _probe(
     args: tuple,
     kwargs: dict[str, Any],
 ) -> bool:
-    generator = torch.Generator().manual_seed(width)
-
-    def draw(*shape: int) -> torch.Tensor:
-        # On the CPU whatever the default device (the report builds on `meta`).
-        return torch.randn(
-            *shape, generator=generator, dtype=torch.float64, device="cpu"
-        )
+    draws = Draws(seed=width)
 
     def heads(count: int) -> torch.Tensor:
         shape = [1, count, _PROBE_TOKENS, channels]
         if head_dim_at == 2:
             shape[1], shape[2] = shape[2], shape[1]
-        return draw(*shape)
+        return draws.normal(shape)
 
     q, k = heads(_PROBE_HEADS), heads(_PROBE_KV_HEADS)
-    cos, sin = draw(1, _PROBE_TOKENS, width), draw(1, _PROBE_TOKENS, width)
+    cos = draws.normal((1, _PROBE_TOKENS, width))
+    sin = draws.normal((1, _PROBE_TOKENS, width))
     try:
         with torch.no_grad():
             out = function(
@@ -491,7 +487,7 @@ class RotaryFuser(BaseFuser):
         return fused
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         return unpaired(plan)
 
     def info(self, name: str, module: nn.Module) -> str:
@@ -515,7 +511,7 @@ def handed_width(embedding: nn.Module) -> int | str:
     return cos.shape[-1] // 2
 
 
-def unpaired(plan: "Fusers") -> str | None:
+def unpaired(plan: "FusionPlan") -> str | None:
     """Why the model's rotary embeddings and the modules that consume them cannot
     take their fusions together, or `None`. Half-width cos and sin are right only for
     the fused rotary function, so every rotary embedding must make them, every module

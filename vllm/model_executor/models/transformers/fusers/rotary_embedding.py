@@ -20,7 +20,7 @@ from vllm.model_executor.models.transformers.rewriting import ForwardRewrite, Sp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.model_executor.models.transformers.fuser import Fusers
+    from vllm.model_executor.models.transformers.plan import FusionPlan
 
 ELEMENTWISE = frozenset({"cos", "sin"}) | fx_utils.CASTS
 """Operators between the concatenation and the outputs acting on each element alone."""
@@ -176,7 +176,7 @@ class RotaryEmbeddingFuser(RewriteFuser):
         """Nothing to swap: only the forward changes."""
 
     @classmethod
-    def cross_check(cls, plan: "Fusers") -> str | None:
+    def cross_check(cls, plan: "FusionPlan") -> str | None:
         # rotary.py imports this module.
         from vllm.model_executor.models.transformers.fusers import rotary
 

@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
     ProbeResults,
     RewriteFuser,
 )
+from vllm.model_executor.models.transformers.fusers.probes import Draws, failed
 from vllm.model_executor.models.transformers.routing import (
     ROUTER_ATTR,
     Role,
@@ -132,45 +133,40 @@ def _projection(graph: fx.Graph, module: nn.Module) -> _Projection | str:
     return found[0]
 
 
-def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Projection] | str | None":
-    """The routing `graph` computes, by dataflow: `None` when it returns no top-k
-    expert ids (not a router), else the routing or why it is not vLLM's."""
-    output = next((n for n in graph.nodes if n.op == "output"), None)
-    if output is None or not isinstance(output.args[0], tuple | list):
-        return None
-    returned = list(output.args[0])
-    ids = [
-        value
-        for value in returned
-        if fx_utils.op_name(value) == "getitem"
-        and fx_utils.op_name(value.args[0]) == "topk"
-        and value.args[1] == 1
-    ]
-    if len(ids) != 1:
-        changed = any(
-            fx_utils.op_name(node) == "getitem"
-            and fx_utils.op_name(node.args[0]) == "topk"
-            and node.args[1] == 1
-            for value in returned
-            if isinstance(value, fx.Node)
-            for node in fx_utils.ancestors(value)
-        )
-        return "it changes its top-k expert ids before returning them" if changed else None
-    chosen = ids[0].args[0]
-    # The hidden states, then at most one input handed in by the caller, which
-    # may only correct the choice (AFMoE's block hands in its `expert_bias`).
-    handed = [node for node in graph.nodes if node.op == "placeholder"][1:]
-    if len(handed) > 1:
-        return "its routing reads inputs other than the hidden states"
-    projection = _projection(graph, module)
-    if isinstance(projection, str):
-        return projection
-    logits = projection.node
+def _is_topk_ids(node: object) -> bool:
+    """Whether `node` is the ids half of a `topk`."""
+    return (
+        fx_utils.op_name(node) == "getitem"
+        and fx_utils.op_name(node.args[0]) == "topk"
+        and node.args[1] == 1
+    )
 
+
+def _returned_ids(returned: list[object]) -> fx.Node | str | None:
+    """The top-k expert ids among the values a forward returns: `None` where it
+    returns none (not a router), why not where it returns ids it changed."""
+    ids = [value for value in returned if _is_topk_ids(value)]
+    if len(ids) == 1:
+        return ids[0]
+    changed = any(
+        _is_topk_ids(node)
+        for value in returned
+        if isinstance(value, fx.Node)
+        for node in fx_utils.ancestors(value)
+    )
+    return "it changes its top-k expert ids before returning them" if changed else None
+
+
+def _output_roles(
+    returned: list[object], ids: fx.Node, logits: fx.Node
+) -> tuple[list[Role], fx.Node] | str:
+    """What each returned value is (the ids, the logits, or the weights: computed
+    from what the top-k chose), and the one weights value; or why not."""
+    chosen = ids.args[0]
     roles: list[Role] = []
     weights = None
     for value in returned:
-        if value is ids[0]:
+        if value is ids:
             roles.append("ids")
         elif fx_utils.uncast(value) is logits:
             roles.append("logits")
@@ -181,19 +177,19 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
             return f"it returns `{value}`, which is not its logits or its top-k"
     if roles.count("weights") != 1:
         return "it returns no single tensor of top-k weights"
+    return roles, weights
 
-    top_k = _topk_k(chosen)
-    if not isinstance(top_k, int):
-        return "its top-k takes no constant k"
-    before = _computed_from(chosen)
-    after = fx_utils.between(chosen, weights) - {chosen}
-    computed = before | fx_utils.ancestors(weights)
-    scores = {fx_utils.op_name(n) for n in computed} & _SCORES
-    if len(scores) != 1:
-        return "its scores are neither a softmax nor a sigmoid of the logits"
-    scoring = scores.pop()
 
-    num_experts = module.get_parameter(projection.weight).shape[0]
+def _correction(
+    before: set[fx.Node],
+    handed: list[fx.Node],
+    projection: _Projection,
+    module: nn.Module,
+    num_experts: int,
+) -> tuple[str | None, bool] | str:
+    """The one tensor added to the scores before the choice, if any (the router's
+    own, one value per expert, or the input its caller hands in), and whether it is
+    handed in; or why the routing is not vLLM's."""
 
     def added(value: object) -> str | None:
         """The own tensor or handed-in input `value` reads, if either."""
@@ -222,7 +218,14 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
     handed_in = bool(handed) and correction == [str(handed[0].target)]
     if handed and not handed_in:
         return "its routing reads inputs other than the hidden states"
+    return (correction[0] if correction else None), handed_in
 
+
+def _grouping(
+    before: set[fx.Node], chosen: fx.Node
+) -> tuple[int | None, int | None] | str:
+    """`(groups, groups kept)` of a grouped top-k, `(None, None)` for a plain one;
+    or why the grouping is not vLLM's."""
     # `scores.view(-1, groups, experts // groups)`, and a top-k over what each
     # group scores (not the top-k within each group, which reads the view).
     group_views = {
@@ -244,7 +247,12 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         return "it groups its experts in more than one way"
     if groups and not group_topk:
         return "it groups its experts without choosing the best groups"
+    return (groups[0], group_topk[0]) if groups else (None, None)
 
+
+def _renormalize_and_scale(after: set[fx.Node]) -> tuple[bool, float]:
+    """Whether the chosen weights are renormalised (a softmax, or a sum and a
+    division), and the constant factor they are scaled by."""
     renormalize = any(fx_utils.op_name(n) == "softmax" for n in after) or (
         any(fx_utils.op_name(n) == "sum" for n in after)
         and any(fx_utils.op_name(n) in _DIVISIONS for n in after)
@@ -254,17 +262,65 @@ def read_routing(graph: fx.Graph, module: nn.Module) -> "tuple[Routing, _Project
         if fx_utils.op_name(node) in ("mul", "imul"):
             constants = [a for a in node.args[:2] if isinstance(a, int | float)]
             scale *= constants[0] if constants else 1.0
+    return renormalize, float(scale)
+
+
+def read_routing(
+    graph: fx.Graph, module: nn.Module
+) -> "tuple[Routing, _Projection] | str | None":
+    """The routing `graph` computes, by dataflow: `None` when it returns no top-k
+    expert ids (not a router), else the routing or why it is not vLLM's."""
+    output = next((n for n in graph.nodes if n.op == "output"), None)
+    if output is None or not isinstance(output.args[0], tuple | list):
+        return None
+    returned = list(output.args[0])
+    ids = _returned_ids(returned)
+    if not isinstance(ids, fx.Node):
+        return ids
+    chosen = ids.args[0]
+    # The hidden states, then at most one input handed in by the caller, which
+    # may only correct the choice (AFMoE's block hands in its `expert_bias`).
+    handed = [node for node in graph.nodes if node.op == "placeholder"][1:]
+    if len(handed) > 1:
+        return "its routing reads inputs other than the hidden states"
+    projection = _projection(graph, module)
+    if isinstance(projection, str):
+        return projection
+    found = _output_roles(returned, ids, projection.node)
+    if isinstance(found, str):
+        return found
+    roles, weights = found
+
+    top_k = _topk_k(chosen)
+    if not isinstance(top_k, int):
+        return "its top-k takes no constant k"
+    before = _computed_from(chosen)
+    after = fx_utils.between(chosen, weights) - {chosen}
+    computed = before | fx_utils.ancestors(weights)
+    scores = {fx_utils.op_name(n) for n in computed} & _SCORES
+    if len(scores) != 1:
+        return "its scores are neither a softmax nor a sigmoid of the logits"
+    num_experts = module.get_parameter(projection.weight).shape[0]
+    correction = _correction(before, handed, projection, module, num_experts)
+    if isinstance(correction, str):
+        return correction
+    correction_bias, handed_in = correction
+    grouping = _grouping(before, chosen)
+    if isinstance(grouping, str):
+        return grouping
+    num_expert_group, topk_group = grouping
+    renormalize, scale = _renormalize_and_scale(after)
 
     flat_input = fx_utils.uncast(projection.input)
     routing = Routing(
         top_k=top_k,
-        scoring=scoring,
+        scoring=scores.pop(),
         renormalize=renormalize,
-        num_expert_group=groups[0] if groups else None,
-        topk_group=group_topk[0] if groups else None,
-        correction_bias=correction[0] if correction else None,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        correction_bias=correction_bias,
         correction_handed_in=handed_in,
-        scale=float(scale),
+        scale=scale,
         float32_logits=_is_float32_cast(projection.input),
         flattens=fx_utils.op_name(flat_input) in ("view", "reshape"),
         outputs=tuple(roles),
@@ -447,31 +503,29 @@ class RouterFuser(RewriteFuser):
         """`module` run on a random probe of `dtype` (its tensors random too),
         or why it fails."""
         assert self.routing is not None
-        generator = torch.Generator(device="cpu").manual_seed(0)
+        draws = Draws()
         weight = module.get_parameter(self.weight)
         num_experts, hidden = weight.shape
-
-        def random(shape, std: float) -> torch.Tensor:
-            return std * torch.randn(shape, generator=generator, dtype=dtype)
-
         tensors = {
-            name: random(t.shape, 0.3)
+            name: draws.normal(t.shape, 0.3, dtype)
             for name, t in itertools.chain(
                 module.named_parameters(), module.named_buffers()
             )
             if t.is_floating_point()
         }
         # Logits spread a few units apart, so float32 rounding ties no choices.
-        tensors[self.weight] = random(weight.shape, 2.0 / hidden**0.5)
-        x = random((1, _PROBE_TOKENS, hidden)[-rank:], 1.0)
+        tensors[self.weight] = draws.normal(weight.shape, 2.0 / hidden**0.5, dtype)
+        x = draws.normal((1, _PROBE_TOKENS, hidden)[-rank:], 1.0, dtype)
         handed = (
-            (random((num_experts,), 0.3),) if self.routing.correction_handed_in else ()
+            (draws.normal((num_experts,), 0.3, dtype),)
+            if self.routing.correction_handed_in
+            else ()
         )
         try:
             with torch.no_grad():
                 outputs = torch.func.functional_call(module, tensors, (x, *handed))
         except Exception as error:  # noqa: BLE001 - a router we cannot run is declined
-            return f"it fails on a probe: {type(error).__name__}: {error}"
+            return failed(error)
         if not isinstance(outputs, tuple) or len(outputs) != len(self.routing.outputs):
             return "it does not return the outputs its dataflow shows"
         return _Run(outputs, tensors, x, handed)

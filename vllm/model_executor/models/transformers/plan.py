@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fuser registry: which fusers apply to which modules, in two of the build's
-three stages (DESIGN §4).
+"""The fusion plan (the fuser registry): which fusers apply to which modules, in two
+of the build's three stages (DESIGN §4).
 
 1. Class analysis (`analyse`, cached by `key(module)`: the class and the names of its
    direct children and parameters, so the cost grows with the number of distinct
    module classes, not with depth). Pure: what it found and what it declined, with
    the reasons, live in the cache entry. Any exception while matching or rewriting a
    class declines that fuser, with the reason; it never escapes.
-2. Instance plan (`Fusers`): each instance takes a fuser only if `mismatch` finds
+2. Instance plan (`FusionPlan`): each instance takes a fuser only if `mismatch` finds
    nothing in the instance that differs from what the class analysis saw; every
    instance decline is logged and kept with the module's name.
 
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
-
-FUSERS: tuple[type[BaseFuser], ...] = FUSER_CLASSES
-"""Every fuser, in the order they are tried."""
 
 Key = tuple[
     type[nn.Module], tuple[str, ...], tuple[str, ...], tuple[tuple[str, Hashable], ...]
@@ -159,7 +156,7 @@ def _raised(
 
 def _trace_if_needed(module: nn.Module) -> fx.Graph | None:
     """Trace `module` only if a fuser that reads graphs could match it."""
-    if not any(f.needs_graph and f.could_match(module) for f in FUSERS):
+    if not any(f.needs_graph and f.could_match(module) for f in FUSER_CLASSES):
         return None
     return tracing.trace(module).graph
 
@@ -212,7 +209,7 @@ def _analyse(module: nn.Module) -> ClassAnalysis:
     rewrite: BaseFuser | None = None
     others: list[BaseFuser] = []
     declined: list[Declined] = []
-    for fuser_cls in FUSERS:
+    for fuser_cls in FUSER_CLASSES:
         if fuser_cls.redefines_forward and rewrite is not None:
             continue
         found = _match(fuser_cls, graph, module)
@@ -276,7 +273,7 @@ def _mismatch(
         return f"checking this instance failed: {type(error).__name__}: {error}"
 
 
-class Fusers(Mapping[nn.Module, tuple[BaseFuser, ...]]):
+class FusionPlan(Mapping[nn.Module, tuple[BaseFuser, ...]]):
     """Stage 2: the fusers each module of `model` takes, in the order to apply them,
     and the class analyses and instance declines behind that plan."""
 

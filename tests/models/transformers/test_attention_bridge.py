@@ -8,7 +8,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 
 import vllm.model_executor.models.transformers  # noqa: F401 - registers "vllm"
-from vllm.model_executor.models.transformers.fuser import get_fuser
+from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
 
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The registry (`fuser.py`): class analysis cached per key, pure and failing closed;
+"""The registry (`plan.py`): class analysis cached per key, pure and failing closed;
 the instance plan re-checking every instance against the class verdict."""
 
 import importlib.util
@@ -16,7 +16,7 @@ from configs import small_config
 from transformers import AutoConfig, AutoModel, modeling_utils
 from transformers.models.llama.modeling_llama import LlamaMLP
 
-from vllm.model_executor.models.transformers import fuser as registry
+from vllm.model_executor.models.transformers import plan as registry
 from vllm.model_executor.models.transformers.fusers import (
     AttentionFuser,
     GLUFuser,
@@ -40,7 +40,7 @@ def test_an_instance_unlike_the_analysed_one_declines_with_its_reason(vllm_confi
     parent.silu, parent.relu = silu, relu
     analysed = registry.get_fuser(silu, GLUFuser)
     assert analysed is not None and registry.get_fuser(relu, GLUFuser) is analysed
-    plan = registry.Fusers(parent, vllm_config)
+    plan = registry.FusionPlan(parent, vllm_config)
     assert [type(f) for f in plan[silu]] == [GLUFuser]
     assert plan[relu] == ()
     (declined,) = plan.declined
@@ -99,7 +99,7 @@ def test_planning_writes_nothing_into_the_cached_class_analyses(
         if module is not None:
             module.note = "the second"
     for _ in range(2):
-        registry.Fusers(model, vllm_config)
+        registry.FusionPlan(model, vllm_config)
     assert [_state(f) for f in cached] == before
 
 
