@@ -172,7 +172,8 @@ def test_eagle3_on_a_dense_target_compiled(tmp_path):
 @pytest.mark.engine
 def test_eagle3_on_a_dense_target_at_tensor_parallel_two(tmp_path):
     """Each rank's taps hold the states its drafter reads. (vLLM 0.32's stock
-    backend fails here, measured 2026-12-07: its workers raise `KeyError: -1`.)"""
+    backend fails every EAGLE-3 case here, at TP=1 too, measured 2026-12-07: its
+    `set_aux_hidden_state_layers` raises `KeyError: -1` for the drafter's layer 0.)"""
     target = tiny.checkpoint("llama")
     draft = drafters.build(target, "eagle3", tmp_path)
     speculate("llama", "eagle3", draft, tensor_parallel_size=2)
