@@ -4,11 +4,12 @@ attention that computes q, k and v with one packed `W_pack` and views each third
 with the module's own head count (`self.num_heads`), written by the test beside a
 random checkpoint.
 
-At one rank the model answers as Transformers does, its attention on vLLM's. Under
-tensor parallelism a rank would hold a share of the heads `self.num_heads` names,
-and tracing cannot show what feeds each of q, k and v (the forward iterates over
-the chunks): the model is refused when it is built, naming the module and the layer,
-never at its first request (as it once failed, `shape '[1, 4, 4, 32]' is invalid`)."""
+At one rank `W_pack` is fused into vLLM's `QKVParallelLinear` and the model answers
+as Transformers does. Under tensor parallelism a rank would hold a share of the
+heads `self.num_heads` names, so the fusion is declined there and `W_pack` stays
+whole on every rank, while `o_proj` is split: the model is refused when it is built,
+naming the module, the layer and the mismatch, never at its first request (as it
+once failed, `shape '[1, 4, 4, 32]' is invalid for input of size 256`)."""
 
 import importlib.util
 import shutil
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.engine
 MODELING = '''
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import (
+    ALL_ATTENTION_FUNCTIONS,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
 
 
 class PackedConfig(LlamaConfig):
@@ -55,11 +60,11 @@ class PackedAttention(nn.Module):
             for part in self.W_pack(hidden_states).chunk(3, -1)
         )
         cos, sin = position_embeddings
-        q, k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        attend = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, modeling_llama.eager_attention_forward
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
         )
         out, weights = attend(
             self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
@@ -138,6 +143,11 @@ def test_a_packed_projection_equals_transformers_at_one_rank(packed):
     gap = tiny.compare(tiny.reference(packed, trust_remote_code=True), run.completions)
     tiny.report("packed remote code (project) vs Transformers", run, gap)
     assert "vLLM attention in 4/4 layers" in run.log
+    for layer in range(4):
+        assert (
+            f"Fused: packed W_pack (model.layers.{layer}.self_attn: PackedAttention) "
+            "-> QKVParallelLinear"
+        ) in run.log
 
 
 def test_heads_viewed_with_the_modules_own_count_are_refused_at_two_ranks(packed):
@@ -146,4 +156,5 @@ def test_heads_viewed_with_the_modules_own_count_are_refused_at_two_ranks(packed
     message = str(refused.value)
     assert "model.layers.0.self_attn (PackedAttention, layer 0)" in message
     assert "under tensor parallelism (2 ranks)" in message
+    assert "o_proj reads 1/2 of the attention output on each rank" in message
     assert "tensor_parallel_size=1" in message
