@@ -5,8 +5,9 @@ parameter perturbed, the mixers' `A_log`, `D`, `dt_bias`, convolution bias and n
 weight included) answers as Transformers does, and as vLLM's native model does;
 so do a tiny Bamba (Mamba-2, two B/C groups), a tiny Nemotron-H (Mamba-2 with clamped
 time steps, non-gated experts), a tiny Falcon-H1 (a Mamba-2 mixer beside attention
-in every layer, its projection scaled), a tiny Mamba-2 (mixers alone) and a tiny LFM2 (short convolutions, their
-biases perturbed).
+in every layer, its projection scaled), a tiny Mamba-2 (mixers alone), a tiny LFM2
+(short convolutions, their biases perturbed) and a tiny LFM2-MoE (the same beside
+experts).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
 split into chunks, each continuing from the state the one before left in vLLM's
@@ -159,6 +160,19 @@ def test_short_convolutions_on_vllm_equal_transformers():
             f"Fused: short convolution -> model.layers.{layer}.conv: short "
             "convolution, width 128, kernel 3, with biases; vLLM ShortConv"
         ) in run.log
+
+
+def test_short_convolutions_beside_experts_equal_transformers():
+    # LFM2-MoE: LFM2's short convolutions and attention, a dense MLP in layer 0,
+    # experts whose choice a per-expert bias corrects in layers 1-3.
+    run = engine("project", model="lfm2_moe")
+    atol = tiny.logprob_atol("lfm2_moe")
+    gap = tiny.compare(reference("lfm2_moe"), run.completions, atol)
+    tiny.report("lfm2_moe (project, chunked prefill) vs Transformers", run, gap)
+    (worker,) = run.probe
+    assert worker["model_class"] == "TransformersHybridMoEForCausalLM"
+    for layer in (0, 2):
+        assert f"Fused: short convolution -> model.layers.{layer}.conv: " in run.log
 
 
 @pytest.mark.parametrize("model, layer_type", [(MODEL, "linear_attention")])

@@ -65,6 +65,7 @@ FIRST_GOOD_SEED: dict[str, int] = {
     "hunyuan_v1_moe": 3,
     "jais2": 1,
     "lfm2": 2,
+    "lfm2_moe": 1,
     "llama": 10,
     "mamba2": 2,
     "mellum": 16,
@@ -549,6 +550,18 @@ ARCHS: dict[str, dict[str, Any]] = {
         conv_dim=128,
         block_dim=128,
     ),
+    # LFM2-MoE: LFM2's layers, a dense MLP in layer 0, then 4 experts (top 2, their
+    # choice corrected by a per-expert bias) in layers 1-3.
+    "lfm2_moe": dict(
+        layer_types=["conv", "full_attention"] * 2,
+        conv_L_cache=3,
+        conv_bias=True,
+        tie_word_embeddings=True,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    ),
 }
 """Recipe name -> config overrides on top of `COMMON` (`None` drops a common key).
 The recipe name is the `model_type`, or a variant of one (`VARIANTS`)."""
@@ -606,6 +619,7 @@ INITS: dict[str, Init] = {
     # Its forward divides the logits by `logits_scaling` (4): sharpened 4x as much.
     "granite": Init(head_scale=8.0),
     "lfm2": Init(head_scale=4.0, final_norm="model.embedding_norm"),
+    "lfm2_moe": Init(head_scale=4.0, final_norm="model.embedding_norm"),
 }
 
 MIN_MARGIN = 0.02
