@@ -52,14 +52,22 @@ def engine(
     )
 
 
+def served_as_transformers(model: str, **options: bool) -> tiny.EngineRun:
+    """This backend's `engine` run of `model` with `options`, its greedy tokens and
+    log-probabilities checked against Transformers' and reported."""
+    run = engine("project", model=model, **options)
+    gap = tiny.compare(reference(model), run.completions, tiny.logprob_atol(model))
+    how = ", ".join(["project", *(name for name, on in options.items() if on)])
+    tiny.report(f"{model} ({how}) vs Transformers", run, gap)
+    return run
+
+
 def test_the_long_prompt_needs_several_prefill_chunks():
     assert len(tiny.encode(tiny.checkpoint(MODEL), [LONG])[0]) > 3 * 16
 
 
 def test_mamba2_mixers_on_vllm_equal_transformers():
-    run = engine("project")
-    gap = tiny.compare(reference(), run.completions, tiny.logprob_atol(MODEL))
-    tiny.report(f"{MODEL} (project, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers(MODEL)
     (worker,) = run.probe
     assert worker["model_class"] == "TransformersHybridMoEForCausalLM"
     assert [a["module"] for a in worker["attached"]] == [
@@ -91,9 +99,7 @@ def test_grouped_mixers_with_a_norm_over_the_whole_width_equal_transformers():
     # Bamba's mixers hold 2 B/C groups and normalise y * silu(z) over the whole
     # width: the probe finds that, and the layer is built with a norm of one group
     # (vLLM's default would take the B/C groups').
-    run = engine("project", model="bamba")
-    gap = tiny.compare(reference("bamba"), run.completions, tiny.logprob_atol("bamba"))
-    tiny.report("bamba (project, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers("bamba")
     assert "2 B/C group(s) of state 16, kernel 4, gated norm over 1 group(s)" in run.log
 
 
@@ -105,10 +111,7 @@ def test_clamped_time_steps_and_kept_experts_equal_transformers():
     # prompt's last chunk of one token on its decoding path, unclamped
     # (docs/hybrid.md), where Transformers' `generate` clamps the whole prompt.
     tiny.check_feature_changes_output("nemotron_h", time_step_min=0.0)
-    run = engine("project", model="nemotron_h", chunked=False)
-    atol = tiny.logprob_atol("nemotron_h")
-    gap = tiny.compare(reference("nemotron_h"), run.completions, atol)
-    tiny.report("nemotron_h (project) vs Transformers", run, gap)
+    run = served_as_transformers("nemotron_h", chunked=False)
     assert "gated norm over 2 group(s), time steps clamped to (0.05, inf)" in run.log
 
 
@@ -118,10 +121,7 @@ def test_compiled_mixers_beside_attention_with_scaled_projections_equal_transfor
     # the backend folds into in_proj's weights as they load. Under vLLM's
     # torch.compile integration (the other hybrid tests run eager).
     tiny.check_feature_changes_output("falcon_h1", ssm_multipliers=[1.0] * 5)
-    run = engine("project", model="falcon_h1", compiled=True)
-    atol = tiny.logprob_atol("falcon_h1")
-    gap = tiny.compare(reference("falcon_h1"), run.completions, atol)
-    tiny.report("falcon_h1 (project, compiled, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers("falcon_h1", compiled=True)
     (worker,) = run.probe
     assert worker["compiled"]
     assert worker["model_class"] == "TransformersHybridForCausalLM"
@@ -137,10 +137,7 @@ def test_a_decoder_of_mixers_alone_equals_transformers():
     # two B/C groups and its gated norm over the whole width, as Transformers'
     # normalises (vLLM's native Mamba-2 normalises per group: its greedy tokens
     # differ from Transformers' on this model, from the second on).
-    run = engine("project", model="mamba2")
-    atol = tiny.logprob_atol("mamba2")
-    gap = tiny.compare(reference("mamba2"), run.completions, atol)
-    tiny.report("mamba2 (project, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers("mamba2")
     (worker,) = run.probe
     assert worker["model_class"] == "TransformersHybridForCausalLM"
     assert worker["attached"] == []
@@ -150,9 +147,7 @@ def test_a_decoder_of_mixers_alone_equals_transformers():
 def test_short_convolutions_on_vllm_equal_transformers():
     # LFM2: vLLM's ShortConv in layers 0 and 2 (its convolution state in vLLM's
     # state cache, carried across the long prompt's prefill chunks and the decodes).
-    run = engine("project", model="lfm2")
-    gap = tiny.compare(reference("lfm2"), run.completions, tiny.logprob_atol("lfm2"))
-    tiny.report("lfm2 (project, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers("lfm2")
     (worker,) = run.probe
     assert worker["model_class"] == "TransformersHybridForCausalLM"
     for layer in (0, 2):
@@ -165,10 +160,7 @@ def test_short_convolutions_on_vllm_equal_transformers():
 def test_short_convolutions_beside_experts_equal_transformers():
     # LFM2-MoE: LFM2's short convolutions and attention, a dense MLP in layer 0,
     # experts whose choice a per-expert bias corrects in layers 1-3.
-    run = engine("project", model="lfm2_moe")
-    atol = tiny.logprob_atol("lfm2_moe")
-    gap = tiny.compare(reference("lfm2_moe"), run.completions, atol)
-    tiny.report("lfm2_moe (project, chunked prefill) vs Transformers", run, gap)
+    run = served_as_transformers("lfm2_moe")
     (worker,) = run.probe
     assert worker["model_class"] == "TransformersHybridMoEForCausalLM"
     for layer in (0, 2):

@@ -259,8 +259,9 @@ class MixerFuser(BaseFuser):
     """What the fusers that put a mixer on one of vLLM's stateful layers share: the
     dims vLLM's layer would be built with, read off each instance's tensors
     (`measure`) and proven on a float64 probe against the module itself (`prove`),
-    once per module class, dims and plain attributes (its children's too); served only by a model class
-    vLLM keeps state for, and only where the layer splits over the ranks (`unfit`)."""
+    once per module class, dims and plain attributes (its children's too); served
+    only by a model class vLLM keeps state for, and only where the layer splits over
+    the ranks (`unfit`)."""
 
     needs_graph: ClassVar[bool] = False
 

@@ -69,7 +69,7 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
     intermediate = out_proj.in_features
     n_groups = getattr(module, "n_groups", None)
     norm = module.norm
-    gated_norm = any(True for _ in norm.parameters())  # else `nn.Identity`'s place
+    gated_norm = next(norm.parameters(), None) is not None  # else an `nn.Identity`
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     activation = getattr(module, "activation", None)
     limit = getattr(module, "time_step_limit", (0.0, math.inf))
@@ -135,10 +135,11 @@ class Mamba2MixerFuser(MixerFuser):
     state, token-by-token decoding, through Transformers' cache), proves that layer
     computes the same, measures the constant `c` in_proj's input is scaled by, and
     finds over how many groups the gated norm normalises. The scales `c` and `s` are
-    folded into in_proj's weights as they load. The module is then replaced by vLLM's layer under its own call
-    signature (`mixers.Mamba2Mixer`), its states in vLLM's state cache. A mixer that
-    differs is declined with why, and the backend refuses the model naming it
-    (`refuse_state_beyond_keys_and_values`): its state would be lost."""
+    folded into in_proj's weights as they load. The module is then replaced by
+    vLLM's layer under its own call signature (`mixers.Mamba2Mixer`), its states in
+    vLLM's state cache. A mixer that differs is declined with why, and the backend
+    refuses the model naming it (`refuse_state_beyond_keys_and_values`): its state
+    would be lost."""
 
     kind = "mamba2"
     details_title = "State-space mixers, on vLLM's stateful layers"
@@ -221,19 +222,22 @@ class Mamba2MixerFuser(MixerFuser):
 
     def report_detail(self, name: str, module: nn.Module) -> str:
         d: Mamba2Dims = module.dims
-        norm = f"gated norm over {d.norm_groups} group(s)"
-        if not d.gated_norm:
-            norm = "silu gate, no norm"
+        parts = [
+            f"{d.num_heads} heads of {d.head_dim}",
+            f"{d.n_groups} B/C group(s) of state {d.state_size}",
+            f"kernel {d.conv_kernel}",
+            f"gated norm over {d.norm_groups} group(s)"
+            if d.gated_norm
+            else "silu gate, no norm",
+        ]
         if d.clamps_time_steps:
-            norm += f", time steps clamped to {d.time_step_limit}"
-        if d.scales_projection:
-            by = [f"input x {d.input_scale:.4g}"] * (d.input_scale != 1.0)
-            by += [f"output x {d.projection_scale}"] * (d.projection_scale is not None)
-            norm += f", in_proj {' and '.join(by)} (folded into its weights)"
+            parts.append(f"time steps clamped to {d.time_step_limit}")
+        scaled = [f"input x {d.input_scale:.4g}"] * (d.input_scale != 1.0)
+        scaled += [f"output x {d.projection_scale}"] * (d.projection_scale is not None)
+        if scaled:
+            parts.append(f"in_proj {' and '.join(scaled)} (folded into its weights)")
         return (
-            f"{name}: Mamba-2, {d.num_heads} heads of {d.head_dim}, {d.n_groups} "
-            f"B/C group(s) of state {d.state_size}, kernel {d.conv_kernel}, "
-            f"{norm}; vLLM MambaMixer2, "
+            f"{name}: Mamba-2, {', '.join(parts)}; vLLM MambaMixer2, "
             f"{state_description(module, ('convolution', 'SSM'))}"
         )
 
@@ -276,8 +280,8 @@ def _prove(module: nn.Module, dims: Mamba2Dims) -> Mamba2Dims | str:
         else "a silu gate without a norm"
     )
     return (
-        f"on a float64 probe vLLM's MambaMixer2 ({norm}, softplus time steps clamped to "
-        f"{dims.time_step_limit}) differs from it "
+        f"on a float64 probe vLLM's MambaMixer2 ({norm}, softplus time steps "
+        f"clamped to {dims.time_step_limit}) differs from it "
         f"by {worst[0]:.3g} (relative) in {worst[1]}"
     )
 
