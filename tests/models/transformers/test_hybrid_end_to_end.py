@@ -6,8 +6,8 @@ weight included) answers as Transformers does, and as vLLM's native model does;
 so do a tiny Bamba (Mamba-2, two B/C groups), a tiny Nemotron-H (Mamba-2 with clamped
 time steps, non-gated experts), a tiny Falcon-H1 (a Mamba-2 mixer beside attention
 in every layer, its projection scaled), a tiny Mamba-2 (mixers alone), a tiny LFM2
-(short convolutions, their biases perturbed) and a tiny LFM2-MoE (the same beside
-experts).
+(short convolutions, their biases perturbed), a tiny LFM2-MoE (the same beside
+experts), and in bfloat16 a tiny Qwen3-Next and a tiny Qwen3.5 (gated delta nets).
 
 The scheduler's token budget (16) is shorter than the long prompt, so its prefill is
 split into chunks, each continuing from the state the one before left in vLLM's
@@ -29,8 +29,8 @@ BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4)
 
 
 @functools.cache
-def reference(model: str = MODEL) -> tuple[tiny.Completion, ...]:
-    return tuple(tiny.reference(tiny.checkpoint(model), PROMPTS))
+def reference(model: str = MODEL, dtype: str = "float32") -> tuple[tiny.Completion, ...]:
+    return tuple(tiny.reference(tiny.checkpoint(model), PROMPTS, dtype=dtype))
 
 
 @functools.cache
@@ -40,6 +40,7 @@ def engine(
     model: str = MODEL,
     chunked: bool = True,
     compiled: bool = False,
+    dtype: str = "auto",
 ) -> tiny.EngineRun:
     batching = BATCHING if chunked else {"max_num_seqs": BATCHING["max_num_seqs"]}
     return tiny.run_engine(
@@ -47,7 +48,7 @@ def engine(
         PROMPTS,
         probe=impl == "project",
         tensor_parallel_size=tensor_parallel_size,
-        llm_kwargs={**batching, "enforce_eager": not compiled},
+        llm_kwargs={**batching, "enforce_eager": not compiled, "dtype": dtype},
         **tiny.IMPLS[impl],
     )
 
@@ -165,6 +166,87 @@ def test_short_convolutions_beside_experts_equal_transformers():
     assert worker["model_class"] == "TransformersHybridMoEForCausalLM"
     for layer in (0, 2):
         assert f"Fused: short convolution -> model.layers.{layer}.conv: " in run.log
+
+
+BFLOAT16_ATOL = 0.1
+"""Log-probabilities of the gated-delta-net models served in bfloat16 (vLLM's CPU
+kernels for them take nothing else): this backend, vLLM's native model and
+Transformers' bfloat16 lie within 0.05 of each other and of Transformers' float32
+(measured), as far as Transformers' bfloat16 from its own float32."""
+
+
+def distance(
+    expected: tuple[tiny.Completion, ...], actual: list[tiny.Completion]
+) -> tuple[float, int]:
+    """The largest log-probability gap over each prompt's tokens up to the first
+    that differs, and how many tokens that is: measured, not asserted."""
+    gap, steps = 0.0, 0
+    for want, got in zip(expected, actual):
+        for a, b, want_logprob, got_logprob in zip(
+            want.token_ids, got.token_ids, want.logprobs, got.logprobs
+        ):
+            if a != b:
+                break
+            gap, steps = max(gap, abs(want_logprob - got_logprob)), steps + 1
+    return gap, steps
+
+
+def served_in_bfloat16(model: str) -> tiny.EngineRun:
+    """This backend's bfloat16 `engine` run of `model`, its distance to
+    Transformers' bfloat16 and float32 output reported."""
+    run = engine("project", model=model, dtype="bfloat16")
+    for dtype in ("bfloat16", "float32"):
+        gap, steps = distance(reference(model, dtype), run.completions)
+        tiny.report(
+            f"{model} (project, bfloat16) vs Transformers {dtype}, {steps} of "
+            f"{len(PROMPTS) * tiny.MAX_TOKENS} steps",
+            run,
+            gap,
+        )
+    return run
+
+
+def check_gated_delta_nets(run: tiny.EngineRun, layout: str) -> None:
+    (worker,) = run.probe
+    assert [a["module"] for a in worker["attached"]] == [
+        "model.layers.1.self_attn",
+        "model.layers.3.self_attn",
+    ]
+    for layer in (0, 2):
+        assert (
+            f"Fused: gated delta net -> model.layers.{layer}.linear_attn: gated delta "
+            "net, 2 key heads of 128, 4 value heads of 128, kernel 4, output gated by "
+            f"silu, projections {layout}; vLLM QwenGatedDeltaNetAttention"
+        ) in run.log
+
+
+def test_gated_delta_nets_on_vllm_equal_vllms_native_model():
+    # Qwen3-Next in bfloat16: gated delta nets (each key head's q, k, v, z in one
+    # linear) in layers 0 and 2, attention with a gated query in 1 and 3, experts
+    # beside a gated shared expert. Tokens equal vLLM's native model's, the
+    # distance to Transformers' bfloat16 and float32 output reported.
+    run = served_in_bfloat16("qwen3_next")
+    assert run.probe[0]["model_class"] == "TransformersHybridMoEForCausalLM"
+    check_gated_delta_nets(run, "per key head (in_proj_qkvz, in_proj_ba)")
+    native = engine("native", model="qwen3_next", dtype="bfloat16")
+    gap, steps = tiny.compare_rounded(native.completions, run.completions, BFLOAT16_ATOL)
+    tiny.report(f"qwen3_next (project vs native, bfloat16), {steps} steps", run, gap)
+    assert steps >= len(PROMPTS) * tiny.MAX_TOKENS // 2
+
+
+def test_gated_delta_nets_in_four_linears_equal_transformers_bfloat16():
+    # Qwen3.5: Qwen3-Next's mixers with four input projections, loaded as shards
+    # of vLLM's two merged ones, and a dense MLP. vLLM's native Qwen3.5 does not
+    # start here (its module imports torchvision, which vLLM's CPU build lacks):
+    # compared with Transformers' own bfloat16 output.
+    run = served_in_bfloat16("qwen3_5_text")
+    assert run.probe[0]["model_class"] == "TransformersHybridForCausalLM"
+    check_gated_delta_nets(
+        run, "in four linears, loaded as shards of in_proj_qkvz and in_proj_ba"
+    )
+    expected = reference("qwen3_5_text", "bfloat16")
+    gap, steps = tiny.compare_rounded(expected, run.completions, BFLOAT16_ATOL)
+    assert steps >= len(PROMPTS) * tiny.MAX_TOKENS // 2
 
 
 @pytest.mark.parametrize("model, layer_type", [(MODEL, "linear_attention")])

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention
 
 from vllm.model_executor.models.transformers.plan import get_fuser
 from vllm.model_executor.models.transformers.fusers import AttentionFuser
@@ -425,3 +426,54 @@ def test_doges_dynamic_mask_is_refused_not_dropped():
     for model_type in ("llama", "gpt2", "zaya"):
         for module, fuser in attention_modules(meta_model(model_type)).values():
             fuser.attention_needs(module, None)
+
+
+class FlatGatedAttention(Qwen3NextAttention):
+    """Qwen3-Next's attention with its output gate split off the query's linear as
+    one flat half (`q_proj(h).chunk(2, -1)`), not per head."""
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states, gate = self.q_proj(hidden_states).chunk(2, dim=-1)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, None
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            scaling=self.scaling,
+        )  # fmt: skip
+        attn_output = attn_output.reshape(*input_shape, -1) * torch.sigmoid(gate)
+        return self.o_proj(attn_output), attn_weights
+
+
+def _gated(cls: type[nn.Module]) -> nn.Module:
+    config = AutoConfig.for_model(
+        "qwen3_next", hidden_size=128, num_attention_heads=4, head_dim=32
+    )
+    with torch.device("meta"):
+        return cls(config, layer_idx=3)  # a full-attention layer by default
+
+
+def test_a_query_linear_holding_a_gate_per_head_is_read_as_twice_the_query():
+    # Qwen3-Next: q_proj computes each head's query and output gate side by side
+    # (`view(..., -1, 2 * head_dim).chunk(2, -1)`), so its rows split into whole
+    # heads of both across tensor-parallel ranks.
+    module = _gated(Qwen3NextAttention)
+    fuser = get_fuser(module, AttentionFuser)
+    assert fuser.query_parts == 2
+    needs = fuser.attention_needs(module, None)
+    assert (needs.num_heads, needs.head_size, needs.sources["q"]) == (4, 32, "q_proj")
+
+
+def test_a_gate_split_off_flat_is_refused_naming_the_width():
+    # The same widths with the gate as q_proj's second half: a rank's share of its
+    # rows would not hold the heads' queries, so no width is assumed.
+    module = _gated(FlatGatedAttention)
+    fuser = get_fuser(module, AttentionFuser)
+    assert fuser.query_parts == 1
+    with pytest.raises(ValueError, match=r"q_proj computes the q 256 wide"):
+        fuser.attention_needs(module, None)

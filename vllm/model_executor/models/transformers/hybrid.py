@@ -65,6 +65,9 @@ STATE_COPY_FUNCS: dict[MambaAttentionBackendEnum, tuple[MambaStateCopyFunc, ...]
     MambaAttentionBackendEnum.SHORT_CONV: (
         MambaStateCopyFuncCalculator.short_conv_state_copy_func()
     ),
+    MambaAttentionBackendEnum.GDN_ATTN: (
+        MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+    ),
 }
 """How vLLM copies each state of a layer (prefix caching), per kind of layer."""
 
@@ -107,8 +110,9 @@ def _read_mixers(hf_model: nn.Module) -> tuple[MixerDims, ...]:
 class HybridMixin(CausalMixin, IsHybrid, HasInnerState, SupportsMambaPrefixCaching):
     """A causal LM whose decoder mixes tokens with state-space mixers beside (or
     instead of) attention: each mixer runs on one of vLLM's stateful layers
-    (`MambaMixer2`, `fusers/mamba2.py`; `ShortConv`, `fusers/short_conv.py`), its
-    states in vLLM's state cache."""
+    (`MambaMixer2`, `fusers/mamba2.py`; `ShortConv`, `fusers/short_conv.py`;
+    `QwenGatedDeltaNetAttention`, `fusers/gated_delta_net.py`), its states in vLLM's
+    state cache."""
 
     @classmethod
     def _largest_mixer(cls, vllm_config: "VllmConfig") -> MixerDims:

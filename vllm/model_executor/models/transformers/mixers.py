@@ -7,13 +7,14 @@ A Transformers hybrid decoder layer calls its mixer as
 `past_key_values=...`), keeping the mixer's convolution and recurrent states in
 Transformers' cache. The backend runs the HF model without that cache, so a mixer
 the fusers prove equal to vLLM's layer is replaced, in place, by that layer under the
-HF call signature (`Mamba2Mixer`, `ShortConvMixer`): it ignores Transformers' cache
+HF call signature (`Mamba2Mixer`, `ShortConvMixer`, `GatedDeltaNetMixer`): it ignores Transformers' cache
 and mask (vLLM hands the batch's sequences and each one's state slot to the layer
 through its forward context) and keeps its states in vLLM's state cache, sized per
 sequence by the model class (`hybrid.py`).
 
-`mamba2_reference` and `short_conv_reference` are what vLLM's `MambaMixer2` and
-`ShortConv` compute, written as plain recurrences, in whatever dtype they are given.
+`mamba2_reference`, `short_conv_reference` and `gated_delta_net_reference` are what
+vLLM's `MambaMixer2`, `ShortConv` and `QwenGatedDeltaNetAttention` compute, written
+as plain recurrences, in whatever dtype they are given.
 The fusers prove a module with one probe (`probe_outputs`, `first_gap`): the module
 itself, in float64 through Transformers' cache, on a prefill, a prefill continued
 from its state (vLLM's chunked prefill) and token-by-token decoding, against the
@@ -34,6 +35,9 @@ from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
 from vllm.model_executor.layers.mamba.mamba_mixer2 import (
     MambaMixer2,
     Mixer2RMSNormGated,
@@ -153,7 +157,69 @@ class ShortConvDims:
         )
 
 
-MixerDims: TypeAlias = Mamba2Dims | ShortConvDims
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    """A gated delta net (Qwen3-Next's, Qwen3.5's) as vLLM's
+    `QwenGatedDeltaNetAttention` is built for it: key heads shared by groups of
+    value heads, a causal convolution over `[q | k | v]`, and where the input
+    projections keep their parts (`interleaved`: Qwen3-Next's `in_proj_qkvz` and
+    `in_proj_ba`, each key head's q, k, v, z (and b, a) side by side; else
+    Qwen3.5's four linears)."""
+
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+    interleaved: bool
+    output_gate: str = "silu"
+    """The activation of `z` that gates the normalised output (`silu`, `sigmoid`),
+    found by the probe."""
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    def state_elements(self) -> tuple[int, int]:
+        """Elements of one sequence's convolution and recurrent state (all ranks)."""
+        return (
+            self.conv_dim * (self.conv_kernel - 1),
+            self.num_v_heads * self.head_k_dim * self.head_v_dim,
+        )
+
+    def state_shape(self, tp_size: int, num_spec: int) -> tuple[tuple[int, ...], ...]:
+        """One sequence's states on each of `tp_size` ranks, as the layer asks."""
+        return MambaStateShapeCalculator.gated_delta_net_state_shape(
+            tp_size,
+            self.num_k_heads,
+            self.num_v_heads,
+            self.head_k_dim,
+            self.head_v_dim,
+            self.conv_kernel,
+            num_spec,
+        )
+
+    @staticmethod
+    def state_dtype(vllm_config: "VllmConfig") -> tuple[torch.dtype, ...]:
+        cache = vllm_config.cache_config
+        return MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+            vllm_config.model_config.dtype,
+            cache.mamba_cache_dtype,
+            cache.mamba_ssm_cache_dtype,
+        )
+
+
+MixerDims: TypeAlias = Mamba2Dims | ShortConvDims | GatedDeltaNetDims
 """How one of vLLM's stateful layers is built for a mixer, and its state's size."""
 
 
@@ -307,6 +373,40 @@ class ShortConvMixer(ShortConv):
         return output.view(hidden_states.shape)
 
 
+class GatedDeltaNetMixer(QwenGatedDeltaNetAttention):
+    """vLLM's `QwenGatedDeltaNetAttention` called the way a Transformers decoder
+    layer calls its gated delta net: `(hidden_states [batch 1, tokens, hidden],
+    cache_params=..., attention_mask=..., **kwargs)`. vLLM's layer reads its sizes
+    from a model config; it is given the fields it reads, from the proven dims."""
+
+    def __init__(self, dims: GatedDeltaNetDims, vllm_config: "VllmConfig", prefix: str):
+        config = SimpleNamespace(
+            hidden_size=dims.hidden_size,
+            hidden_act="silu",  # the convolution's activation
+            rms_norm_eps=dims.eps,
+            linear_num_key_heads=dims.num_k_heads,
+            linear_num_value_heads=dims.num_v_heads,
+            linear_key_head_dim=dims.head_k_dim,
+            linear_value_head_dim=dims.head_v_dim,
+            linear_conv_kernel_dim=dims.conv_kernel,
+            output_gate_type=dims.output_gate,
+        )
+        super().__init__(
+            config, vllm_config, prefix, gqa_interleaved_layout=dims.interleaved
+        )
+        self.dims = dims
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: object = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return super().forward(flat).view(hidden_states.shape)
+
+
 def _scaled_rows(load: Callable, scale: torch.Tensor, factor: float) -> Callable:
     """`load`, given the checkpoint tensor with its rows multiplied by `factor` and
     by `scale` (one value per row, read as the weights load: the report builds
@@ -355,6 +455,17 @@ def _softplus_preimage(value: float) -> float:
     if math.isinf(value):
         return math.inf
     return value + math.log(-math.expm1(-value))
+
+
+def causal_depthwise_kernel(conv: nn.Conv1d) -> int | None:
+    """The kernel size of `conv` where it is a causal depthwise convolution (one
+    filter per channel, padded by `kernel - 1` so that each output sees only its
+    token and those before), as vLLM's causal convolution computes; else `None`."""
+    channels, _, kernel = conv.weight.shape
+    causal = (channels, (1,), (1,), (kernel - 1,))
+    if (conv.groups, conv.stride, conv.dilation, conv.padding) != causal:
+        return None
+    return kernel
 
 
 def _causal_conv(
@@ -459,6 +570,81 @@ def short_conv_reference(
     conv = _causal_conv(history, tensors["conv.weight"], tensors.get("conv.bias"))
     out = F.linear(C * conv, tensors["out_proj.weight"], tensors.get("out_proj.bias"))
     return out, (_last_inputs(history, dims.conv_kernel),)
+
+
+def _l2_normed(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_net_reference(
+    tensors: dict[str, torch.Tensor],
+    dims: GatedDeltaNetDims,
+    x: torch.Tensor,
+    state: State | None = None,
+) -> tuple[torch.Tensor, State]:
+    """What `QwenGatedDeltaNetAttention` computes for one sequence's tokens `x`
+    ([tokens, hidden]) from `state` (the last `conv_kernel - 1` convolution inputs,
+    the recurrent state per value head, `[head_k_dim, head_v_dim]`; zeros when
+    `None`), with the HF module's tensors by their HF names. Returns the output and
+    the state after the last token.
+
+    `[q | k | v]`, `z`, `b`, `a` from the input projections (per key head where
+    `interleaved`); `q k v` through the causal depthwise convolution and silu; q and
+    k L2-normed per head (q also by `head_k_dim ** -0.5`) and shared by
+    `num_v_heads / num_k_heads` value heads each; `g = -exp(A_log) softplus(a +
+    dt_bias)`, `beta = sigmoid(b)`; per token `S = exp(g) S`, `S += k (beta (v - k
+    S))^T`, `o = q S`; `out_proj(rmsnorm(o) * norm.weight * gate(z))` per value
+    head."""
+    d = dims
+    tokens, ratio = x.shape[0], d.num_v_heads // d.num_k_heads
+    if state is None:
+        state = (
+            x.new_zeros(d.conv_kernel - 1, d.conv_dim),
+            x.new_zeros(d.num_v_heads, d.head_k_dim, d.head_v_dim),
+        )
+    conv_state, recurrent = state
+    if d.interleaved:
+        per_head = F.linear(x, tensors["in_proj_qkvz.weight"]).view(
+            tokens, d.num_k_heads, -1
+        )
+        q, k, v, z = per_head.split(
+            [d.head_k_dim, d.head_k_dim, ratio * d.head_v_dim, ratio * d.head_v_dim],
+            -1,
+        )
+        qkv = torch.cat([part.reshape(tokens, -1) for part in (q, k, v)], -1)
+        z = z.reshape(tokens, d.value_dim)
+        b, a = F.linear(x, tensors["in_proj_ba.weight"]).view(
+            tokens, d.num_k_heads, -1
+        ).split([ratio, ratio], -1)
+        b, a = b.reshape(tokens, -1), a.reshape(tokens, -1)
+    else:
+        qkv = F.linear(x, tensors["in_proj_qkv.weight"])
+        z = F.linear(x, tensors["in_proj_z.weight"])
+        b = F.linear(x, tensors["in_proj_b.weight"])
+        a = F.linear(x, tensors["in_proj_a.weight"])
+    history = torch.cat([conv_state, qkv])
+    conv = F.silu(_causal_conv(history, tensors["conv1d.weight"], None))
+    q, k, v = conv.split([d.key_dim, d.key_dim, d.value_dim], -1)
+    q = _l2_normed(q.view(tokens, d.num_k_heads, d.head_k_dim)) * d.head_k_dim**-0.5
+    k = _l2_normed(k.view(tokens, d.num_k_heads, d.head_k_dim))
+    q, k = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
+    v = v.view(tokens, d.num_v_heads, d.head_v_dim)
+    decay = torch.exp(-torch.exp(tensors["A_log"]) * F.softplus(a + tensors["dt_bias"]))
+    beta = torch.sigmoid(b)
+    S = recurrent
+    outputs = []
+    for t in range(tokens):
+        S = S * decay[t][:, None, None]
+        remembered = (S * k[t][:, :, None]).sum(1)  # [heads, head_v_dim]
+        update = (v[t] - remembered) * beta[t][:, None]
+        S = S + k[t][:, :, None] * update[:, None, :]
+        outputs.append((S * q[t][:, :, None]).sum(1))
+    o = torch.stack(outputs)  # [tokens, heads, head_v_dim]
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps) * tensors["norm.weight"]
+    gate = z.view(tokens, d.num_v_heads, d.head_v_dim)
+    o = o * (F.silu(gate) if d.output_gate == "silu" else torch.sigmoid(gate))
+    out = F.linear(o.reshape(tokens, d.value_dim), tensors["out_proj.weight"])
+    return out, (_last_inputs(history, d.conv_kernel), S)
 
 
 PROBE_SEGMENTS = (5, 3, 1, 1)

@@ -10,6 +10,9 @@ from vllm.model_executor.models.transformers.fusers.base import (
     StackedFuser,
 )
 from vllm.model_executor.models.transformers.fusers.experts import ExpertsFuser
+from vllm.model_executor.models.transformers.fusers.gated_delta_net import (
+    GatedDeltaNetFuser,
+)
 from vllm.model_executor.models.transformers.fusers.glu import GLUFuser
 from vllm.model_executor.models.transformers.fusers.mamba2 import Mamba2MixerFuser
 from vllm.model_executor.models.transformers.fusers.mla import MLAFuser
@@ -42,6 +45,7 @@ FUSER_CLASSES: tuple[type[BaseFuser], ...] = (
     ExpertsFuser,
     Mamba2MixerFuser,
     ShortConvFuser,
+    GatedDeltaNetFuser,
 )
 
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "BaseFuser",
     "ExpertsFuser",
     "GLUFuser",
+    "GatedDeltaNetFuser",
     "MLAFuser",
     "Mamba2MixerFuser",
     "MoEBlockFuser",

@@ -220,6 +220,37 @@ def _resolve_argument(expression: ast.expr, module: nn.Module) -> object:
     return value
 
 
+def _parts_per_head(linear: fx.Node, query: fx.Node) -> int:
+    """`m` where `linear`'s output is viewed into heads of `m` parts and split on
+    that last axis, the query (`query` is computed from) being the first part: each
+    rank's share of the linear's rows then holds whole heads of every part. 1 where
+    the dataflow is not so."""
+    on_path = fx_utils.between(linear, query)
+
+    def next_on_path(node: fx.Node | None) -> fx.Node | None:
+        users = [] if node is None else [u for u in node.users if u in on_path]
+        return users[0] if len(users) == 1 else None
+
+    heads = next_on_path(linear)
+    split = next_on_path(heads)
+    first = next_on_path(split)
+    if (
+        fx_utils.op_name(heads) not in ("view", "reshape")
+        or fx_utils.op_name(split) not in ("chunk", "split")
+        or fx_utils.op_name(first) != "getitem"
+        or first.args[1] != 0
+    ):
+        return 1
+    whole, part = fx_utils.value(heads), fx_utils.value(first)
+    if not isinstance(whole, torch.Tensor) or not isinstance(part, torch.Tensor):
+        return 1
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    parts, rest = divmod(whole.shape[-1], part.shape[-1])
+    if whole.shape[:-1] != part.shape[:-1] or rest or dim not in (-1, whole.ndim - 1):
+        return 1
+    return parts
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -350,6 +381,10 @@ class AttentionFuser(BaseFuser):
     """`num_kv_heads` -> `num_heads`, `head_size_v` -> `head_size` where no attribute
     holds the first but it equalled the second on the traced instance (MHA, values
     as wide as keys): each instance's own, not the traced instance's number."""
+    query_parts: int = 1
+    """How many times as wide as the query its linear is, each head's query first
+    among its parts (`view(..., -1, 2 * head_size).chunk(2, -1)`: Qwen3-Next's
+    query and output gate), as dataflow shows."""
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
@@ -404,6 +439,8 @@ class AttentionFuser(BaseFuser):
         for role, node in roles.items():
             linear = fx_utils.linear_feeding(node, module)
             self.sources[role] = None if linear is None else linear.target
+            if role == "q" and linear is not None:
+                self.query_parts = _parts_per_head(linear, node)
         output = fx_utils.linear_fed_by(attention, module)
         self.sources["o"] = None if output is None else output.target
         query, key, value = (heads_at(roles[r]) for r in "qkv")
@@ -689,7 +726,7 @@ class AttentionFuser(BaseFuser):
         (Gemma 4), or keys completed from another linear (latent attention), its
         width alone cannot say which, and the fuser that stacks it checks it."""
         expected = dict(
-            q=num_heads * head_size,
+            q=num_heads * head_size * self.query_parts,
             k=num_kv_heads * head_size,
             v=num_kv_heads * head_size_v,
         )

@@ -18,6 +18,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
 from vllm.model_executor.models.transformers.mixers import (
     Mamba2Dims,
     Mamba2Mixer,
+    causal_depthwise_kernel,
     first_gap,
     mamba2_reference,
     probe_outputs,
@@ -79,12 +80,7 @@ def mixer_dims(module: nn.Module) -> Mamba2Dims | str:
         return f"its time-step limit {limit!r} is not two numbers"
     if {module.D.shape[0], module.dt_bias.shape[0]} != {num_heads}:
         return "its A_log, D and dt_bias do not hold one value per head each"
-    if (conv.groups, conv.stride, conv.dilation, conv.padding) != (
-        conv_dim,
-        (1,),
-        (1,),
-        (kernel - 1,),
-    ):
+    if causal_depthwise_kernel(conv) is None:
         return "its conv1d is not a causal depthwise convolution"
     if in_proj.out_features != intermediate + conv_dim + num_heads:
         return (
@@ -147,8 +143,11 @@ class Mamba2MixerFuser(MixerFuser):
 
     @classmethod
     def could_match(cls, module: nn.Module) -> bool:
+        # A gated delta net holds A_log and conv1d too, and no skip `D`.
         own = {name for name, _ in module.named_parameters(recurse=False)}
-        return "A_log" in own and isinstance(getattr(module, "conv1d", None), nn.Conv1d)
+        return {"A_log", "D"} <= own and isinstance(
+            getattr(module, "conv1d", None), nn.Conv1d
+        )
 
     @classmethod
     def match(cls, graph: fx.Graph | None, module: nn.Module) -> Self | Declined | None:

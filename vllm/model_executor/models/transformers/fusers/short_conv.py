@@ -17,6 +17,7 @@ from vllm.model_executor.models.transformers.fusers.base import (
 from vllm.model_executor.models.transformers.mixers import (
     ShortConvDims,
     ShortConvMixer,
+    causal_depthwise_kernel,
     first_gap,
     probe_outputs,
     short_conv_reference,
@@ -35,12 +36,7 @@ def mixer_dims(module: nn.Module) -> ShortConvDims | str:
     in_proj, conv, out_proj = module.in_proj, module.conv, module.out_proj
     channels, _, kernel = conv.weight.shape
     hidden = in_proj.in_features
-    if (conv.groups, conv.stride, conv.dilation, conv.padding) != (
-        channels,
-        (1,),
-        (1,),
-        (kernel - 1,),
-    ):
+    if causal_depthwise_kernel(conv) is None:
         return "its conv is not a causal depthwise convolution"
     if kernel < 2:
         return f"its convolution's kernel of {kernel} keeps no state"
