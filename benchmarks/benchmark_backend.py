@@ -133,9 +133,27 @@ MODELS: dict[str, dict[str, Any]] = {
         intermediate_size=512,
         shared_intermediate_size=1024,
     ),
+    # Qwen3-Next (bfloat16 only on the CPU: vLLM's gated-delta-net kernels): gated
+    # delta nets (4 key heads shared by 8 value heads, each of 128) in layers 0, 2,
+    # 4, attention with a gated query in 1, 3, 5; in every layer 16 experts of
+    # width 512 (four per token) beside a gated shared expert.
+    "qwen3_next": dict(
+        MOE_MODEL,
+        layer_types=["linear_attention", "full_attention"] * 3,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        shared_expert_intermediate_size=512,
+    ),
 }
 """`--models` -> the config of the random model benchmarked."""
-STOCK_REFUSES = frozenset({"granitemoehybrid"})
+PREFIX_CACHING_OFF = frozenset({"granitemoehybrid"})
+"""Model types every engine runs without prefix caching: on the CPU this backend
+serves Mamba-2 mixers only without it (vLLM's layer fails with it on a long prompt,
+native alike)."""
+STOCK_REFUSES = frozenset({"granitemoehybrid", "qwen3_next"})
 """Model types vLLM's stock backend refuses (the hybrids): measured beside native
 only."""
 
@@ -357,6 +375,7 @@ def engine_main(spec_file: str) -> None:
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         skip_tokenizer_init=True,
         enforce_eager=spec["enforce_eager"],
+        enable_prefix_caching=spec["prefix_caching"],
     )
     start_s = time.perf_counter() - started
 
@@ -574,6 +593,7 @@ def measure(
         prompts=prompts(MODEL["vocab_size"]),
         max_tokens=MAX_TOKENS,
         enforce_eager=MODES[mode],
+        prefix_caching=model_type not in PREFIX_CACHING_OFF,
     )
     prompt_tokens = BATCH * PROMPT_LEN
     names = [n for n in VARIANTS if n != "stock" or model_type not in STOCK_REFUSES]

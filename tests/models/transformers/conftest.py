@@ -47,6 +47,7 @@ def build_backend(vllm_runtime: None, tmp_path: Path) -> Callable[..., nn.Module
         config: PreTrainedConfig,
         backend_class: str = "TransformersForCausalLM",
         served_config: PreTrainedConfig | None = None,
+        prefix_caching: bool = False,
     ) -> nn.Module:
         import vllm.model_executor.models.transformers as backend
 
@@ -71,7 +72,10 @@ def build_backend(vllm_runtime: None, tmp_path: Path) -> Callable[..., nn.Module
             cache_config=CacheConfig(
                 sliding_window=model_config.get_sliding_window()
                 if every_layer_slides
-                else None
+                else None,
+                # Off unless asked: on the CPU a Mamba-2 mixer is served only
+                # without it (`fusers/mamba2.py`).
+                enable_prefix_caching=prefix_caching,
             ),
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),

@@ -148,6 +148,21 @@ def test_a_mixer_vllm_computes_otherwise_is_refused_naming_it_and_why(build_back
         build_backend(config, "TransformersHybridMoEForCausalLM")
 
 
+def test_mamba2_mixers_with_prefix_caching_on_the_cpu_are_refused_naming_the_flag(
+    build_backend,
+):
+    # vLLM's CPU scan does not give the per-chunk states the prefix cache keeps:
+    # the engine would fail at the first prompt longer than a cache block.
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.mamba .* Mamba2MixerFuser: with prefix caching on, "
+        r"vLLM's CPU engine fails .*\(--no-enable-prefix-caching\)",
+    ):
+        build_backend(
+            granite_hybrid(), "TransformersHybridMoEForCausalLM", prefix_caching=True
+        )
+
+
 def test_each_short_convolution_runs_on_vllms_short_conv(build_backend):
     from vllm.model_executor.models.transformers.mixers import ShortConvMixer
 

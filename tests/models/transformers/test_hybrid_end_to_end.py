@@ -25,7 +25,9 @@ pytestmark = pytest.mark.engine
 MODEL = "granitemoehybrid"
 LONG = " ".join(["the small cat sees a big dog near the river and the old king walks"] * 4)
 PROMPTS = [*tiny.PROMPTS, LONG]
-BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4)
+BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=False)
+"""Prefix caching off: on the CPU the backend refuses Mamba-2 mixers with it on
+(vLLM's CPU engine fails in them on a prompt longer than one cache block)."""
 
 
 @functools.cache
@@ -42,7 +44,9 @@ def engine(
     compiled: bool = False,
     dtype: str = "auto",
 ) -> tiny.EngineRun:
-    batching = BATCHING if chunked else {"max_num_seqs": BATCHING["max_num_seqs"]}
+    batching = dict(BATCHING)
+    if not chunked:
+        del batching["max_num_batched_tokens"]
     return tiny.run_engine(
         tiny.checkpoint(model),
         PROMPTS,

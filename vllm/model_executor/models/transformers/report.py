@@ -107,6 +107,7 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
     its report. A model
     folder is read as it is, so its Sentence Transformers pooling config counts."""
     from vllm.config import (
+        CacheConfig,
         DeviceConfig,
         LoadConfig,
         ModelConfig,
@@ -143,6 +144,10 @@ def build_report(config: PreTrainedConfig, name: str) -> FusionReport:
         )
         vllm_config = VllmConfig(
             model_config=model_config,
+            # What the backend serves, not what this platform's engine defaults
+            # allow: the CPU engine serves Mamba-2 mixers without prefix caching
+            # only, which the engine's start-up says.
+            cache_config=CacheConfig(enable_prefix_caching=False),
             device_config=DeviceConfig("cpu"),
             load_config=LoadConfig(load_format="dummy"),
         )

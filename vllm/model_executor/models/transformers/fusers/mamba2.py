@@ -24,6 +24,7 @@ from vllm.model_executor.models.transformers.mixers import (
     probe_outputs,
     state_description,
 )
+from vllm.platforms import current_platform
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -191,6 +192,15 @@ class Mamba2MixerFuser(MixerFuser):
             return (
                 f"it scans in chunks of {chunk_size} tokens, and vLLM's Mamba-2 "
                 f"metadata in chunks of {vllm_chunk} for every layer"
+            )
+        if current_platform.is_cpu() and vllm_config.cache_config.enable_prefix_caching:
+            # Measured 2026-12-07 with vLLM 0.32, vLLM's native Mamba-2 models alike:
+            # the CPU scan does not return the per-chunk states the prefix cache
+            # keeps (`IndexError` in `MambaMixer2.conv_ssm_forward`).
+            return (
+                "with prefix caching on, vLLM's CPU engine fails in this layer on the "
+                "first prompt longer than one cache block: serve it with "
+                "enable_prefix_caching=False (--no-enable-prefix-caching)"
             )
         if found.scales_projection and vllm_config.quant_config is not None:
             return (
