@@ -42,7 +42,7 @@ def engine(
     model: str = MODEL,
     chunked: bool = True,
     compiled: bool = False,
-    dtype: str = "auto",
+    dtype: str = "float32",
 ) -> tiny.EngineRun:
     batching = dict(BATCHING)
     if not chunked:
