@@ -56,7 +56,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
-from vllm.model_executor.models.transformers.plan import FusionPlan, get_fusers
+from vllm.model_executor.models.transformers.plan import FusionPlan
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
@@ -465,7 +465,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         fusers = self.plan[module]
         self.report.record_module(
             type(module).__name__,
-            matched=[type(f).__name__ for f in get_fusers(module)],
+            matched=[type(f).__name__ for f in self.plan.matched(module)],
             applied=[type(f).__name__ for f in fusers],
         )
         # Read before fusing: the fusers may rename the module's children.
