@@ -57,6 +57,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
 from vllm.model_executor.models.transformers.plan import FusionPlan
+from vllm.model_executor.models.transformers.rewriting import sources_read_by_build
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
@@ -336,7 +337,8 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         self.report = fusion_report.active()
         self.report.model = vllm_config.model_config.model
         try:
-            self.build(vllm_config, prefix)
+            with sources_read_by_build():
+                self.build(vllm_config, prefix)
         except ValueError as error:
             self.report.fail(str(error))
             raise
