@@ -766,7 +766,9 @@ def start_main(spec_file: str) -> None:
 
     gc.callbacks.append(on_gc)
     started = time.perf_counter()
-    LLM(
+    # Bound until the process exits: a discarded engine would shut down (two more
+    # full collections) inside the timed call.
+    _engine = LLM(
         model=spec["model"],
         model_impl=spec["model_impl"],
         dtype=spec["dtype"],
