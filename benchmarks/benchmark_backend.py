@@ -29,9 +29,16 @@ stock backend refuses, so it is measured beside native only) and each mode (`--m
    second start of the same engine on the cache the first one left), compiled mode.
 3. **Construction** on the `meta` device, per implementation, in one process each:
    the whole model built for Llama configs of 2, 8, 32 and 128 layers (the best of
-   three builds each); per layer is
-   the slope between 2 and 128 layers. For this backend also the fuser detection time
-   (`FusionPlan(...)`, every cache cleared first), which should not grow with depth.
+   three builds each), its ratio to native's (the fixed cost shows at 2 and 8
+   layers) and the objects tracked by the garbage collector it leaves alive; per
+   layer is the slope between 2 and 128 layers. For this backend also the fuser
+   detection time (`FusionPlan(...)`, every cache cleared first), which should not
+   grow with depth.
+4. **Whole engine start**: `LLM(...)` of this backend and of vLLM's native Llama
+   taking turns (`--start-rounds` each, per mode), each in a fresh interpreter with
+   the engine in it (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), a tiny Llama of 8 layers
+   on dummy weights: the medians, this backend's difference to native's, vLLM's
+   "Initializing model took", and the full garbage collections during the start.
 
 It writes a JSON summary to `.cache/benchmarks/latest.json`, prints markdown tables
 for the README and plots the ratios to native (`.cache/benchmarks/latest.png`,
@@ -39,7 +46,9 @@ matplotlib, which `scripts/benchmark.sh` installs; the tests do not need it).
 
     bash scripts/benchmark.sh                          # everything (about an hour)
     bash scripts/benchmark.sh --models llama --modes eager --rounds 3   # quicker
-    bash scripts/benchmark.sh --skip-throughput        # construction only
+    bash scripts/benchmark.sh --skip-throughput        # construction and starts
+    bash scripts/benchmark.sh --skip-throughput --skip-construction --modes eager
+                                                       # eager engine starts only
     bash scripts/benchmark.sh --size tiny --modes eager --skip-construction
                                                        # per-layer overhead
     bash scripts/benchmark.sh --dtype float32 --profile   # + ops of one batch each
@@ -49,7 +58,7 @@ Runs made part by part (`--out` each) merge into one summary, tables and plot:
     .venv/bin/python benchmarks/benchmark_backend.py merge OUT.json PART.json ...
 
 The script also runs its own pieces in subprocesses (`engine SPEC`, `construct
-VARIANT OUT`); those forms are internal.
+VARIANT OUT`, `start SPEC`); those forms are internal.
 """
 
 from __future__ import annotations
@@ -57,9 +66,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -234,16 +245,28 @@ a millisecond of noise at either end moves it least)."""
 
 ENGINE_TIMEOUT = 420.0
 
+START_LAYERS = 8
+START_ROUNDS = 3
+START_VARIANTS = ("this", "native")
+INIT_MODEL_LOG = r"Initializing model took ([0-9.]+) seconds"
+"""Whole engine starts: the tiny Llama of `START_LAYERS` layers (dummy weights, so
+reading a checkpoint is not in it), `START_ROUNDS` starts of each variant, taking
+turns, each in a fresh interpreter with the engine in that process."""
+
 
 # --- the checkpoint ------------------------------------------------------------
 
 
-def checkpoint(dtype: str, model_type: str = "llama", size: str = "medium") -> Path:
-    """Build (or reuse) the random `model_type` checkpoint of `size`, saved in
-    `dtype`."""
+def checkpoint(
+    dtype: str, model_type: str = "llama", size: str = "medium", layers: int = 0
+) -> Path:
+    """Build (or reuse) the random `model_type` checkpoint of `size` (and of
+    `layers` layers, where given), saved in `dtype`."""
     import hashlib
 
     config_kwargs = model_config(model_type, size)
+    if layers:
+        config_kwargs["num_hidden_layers"] = layers
     recipe = json.dumps(
         dict(model=config_kwargs, seed=MODEL_SEED, dtype=dtype), sort_keys=True
     )
@@ -736,6 +759,136 @@ def print_profiles(profiles: dict[str, dict[str, Any]]) -> None:
     )
 
 
+# --- whole engine starts -------------------------------------------------------
+
+
+def start_main(spec_file: str) -> None:
+    """One engine start in this interpreter (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so
+    the engine core and its worker run here too): how long `LLM(...)` takes, and the
+    full (oldest-generation) garbage collections during it, which a build that
+    leaves many objects alive adds. vLLM logs the model's construction time itself
+    ("Initializing model took"): `engine_starts` reads it from the log."""
+    spec = json.loads(Path(spec_file).read_text())
+    started = time.perf_counter()
+    from vllm import LLM
+
+    import_s = time.perf_counter() - started
+    full_gcs: list[float] = []
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            full_gcs.append(time.perf_counter() - gc_started[0])
+
+    gc.callbacks.append(on_gc)
+    started = time.perf_counter()
+    # Bound until the process exits: a discarded engine would shut down (two more
+    # full collections) inside the timed call.
+    _engine = LLM(
+        model=spec["model"],
+        model_impl=spec["model_impl"],
+        dtype=spec["dtype"],
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        enforce_eager=spec["enforce_eager"],
+    )
+    start_s = time.perf_counter() - started
+    gc.callbacks.remove(on_gc)
+    Path(spec["out"]).write_text(
+        json.dumps(
+            dict(
+                import_s=import_s,
+                start_s=start_s,
+                full_gcs=len(full_gcs),
+                full_gc_s=sum(full_gcs),
+            )
+        )
+    )
+    # Skip the interpreter's teardown of the engine: nothing is measured after this.
+    os._exit(0)
+
+
+def engine_starts(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """`args.start_rounds` starts of this backend and of vLLM's native Llama per
+    mode, taking turns (the order swapped each round), each in a fresh interpreter
+    on a fresh compile cache; medians, and this backend's difference to native's."""
+    model = checkpoint(args.dtype, "llama", "tiny", START_LAYERS)
+    results: dict[str, Any] = dict(layers=START_LAYERS, rounds=args.start_rounds)
+    for mode in args.modes.split(","):
+        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in START_VARIANTS}
+        for index in range(args.start_rounds):
+            order = START_VARIANTS if index % 2 == 0 else START_VARIANTS[::-1]
+            for variant in order:
+                with tempfile.TemporaryDirectory(prefix="bench-start-") as tmp:
+                    spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+                    spec_file.write_text(
+                        json.dumps(
+                            dict(
+                                model=str(model),
+                                model_impl=VARIANTS[variant]["model_impl"],
+                                dtype=args.dtype,
+                                enforce_eager=MODES[mode],
+                                out=str(out_file),
+                            )
+                        )
+                    )
+                    env = dict(
+                        os.environ,
+                        VLLM_TRANSFORMERS_BACKEND=VARIANTS[variant]["backend"],
+                        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                        VLLM_CACHE_ROOT=str(Path(tmp) / "cache"),
+                    )
+                    log_file = log_dir / f"start-{mode}-{variant}-{index}.log"
+                    with open(log_file, "w") as log:
+                        process = subprocess.run(  # noqa: PLW1510 - checked below
+                            [PYTHON, str(Path(__file__).resolve()), "start", str(spec_file)],
+                            env=env,
+                            cwd=tmp,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            timeout=ENGINE_TIMEOUT,
+                        )
+                    if process.returncode != 0 or not out_file.is_file():
+                        tail = log_file.read_text(errors="replace").splitlines()[-40:]
+                        raise RuntimeError(
+                            f"engine start failed ({variant}, {mode}):\n" + "\n".join(tail)
+                        )
+                    run = json.loads(out_file.read_text())
+                took = re.search(INIT_MODEL_LOG, log_file.read_text(errors="replace"))
+                run["init_model_s"] = float(took.group(1)) if took else math.nan
+                run["load"] = os.getloadavg()[0]
+                runs[variant].append(run)
+                print(
+                    f"  {mode} {variant:>6}: start {run['start_s']:.1f} s, model "
+                    f"{run['init_model_s']:.2f} s, {run['full_gcs']} full collections "
+                    f"({run['full_gc_s']:.2f} s; load {run['load']:.1f})",
+                    flush=True,
+                )
+        median = {
+            n: {
+                key: statistics.median(r[key] for r in runs[n])
+                for key in ("start_s", "init_model_s", "full_gcs", "full_gc_s")
+            }
+            for n in START_VARIANTS
+        }
+        results[mode] = dict(
+            runs=runs,
+            median=median,
+            start_minus_native_s=median["this"]["start_s"] - median["native"]["start_s"],
+            init_model_ratio=median["this"]["init_model_s"]
+            / median["native"]["init_model_s"],
+        )
+    return results
+
+
 # --- fuser detection, in one process ------------------------------------------
 
 
@@ -771,7 +924,8 @@ def _vllm_config(layers: int, folder: str, model_impl: str = "transformers"):
 def construct_once(variant: str, layers: int) -> dict[str, Any]:
     """Time the construction of `variant`'s Llama of `layers` layers on `meta` (for
     this backend with every per-class cache cleared first, so its class analysis is
-    in it, and the registry alone as well)."""
+    in it, and the registry alone as well), and the objects tracked by the garbage
+    collector it leaves alive."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -799,9 +953,14 @@ def construct_once(variant: str, layers: int) -> dict[str, Any]:
             # builds a second HF model) is collected here, not inside the timed build:
             # a full collection of this process's heap takes about 0.4 s.
             gc.collect()
+            objects = len(gc.get_objects())
             started = time.perf_counter()
-            model_class(vllm_config=vllm_config)
+            model = model_class(vllm_config=vllm_config)
             result["construct_s"] = time.perf_counter() - started
+            # What a full collection has to visit anew while the model lives.
+            gc.collect()
+            result["objects_kept"] = len(gc.get_objects()) - objects
+            del model
     return result
 
 
@@ -891,7 +1050,11 @@ def construction(log_dir: Path) -> dict[str, Any]:
         )
         print(
             f"  {variant:>6}: "
-            + ", ".join(f"{r['layers']} layers {r['construct_s'] * 1e3:.0f} ms" for r in rows)
+            + ", ".join(
+                f"{r['layers']} layers {r['construct_s'] * 1e3:.0f} ms "
+                f"({r['objects_kept']} objects)"
+                for r in rows
+            )
             + f"; per layer {results[variant]['per_layer_s'] * 1e3:.2f} ms",
             flush=True,
         )
@@ -1047,20 +1210,54 @@ def markdown(summary: dict[str, Any]) -> str:
             "",
             "| layers | "
             + " | ".join(f"{LABELS[n]} (ms)" for n in VARIANTS)
-            + " | this: fuser detection (ms) | module keys analysed |",
-            "|---:|" + "---:|" * (len(VARIANTS) + 2),
+            + " | this / native | this: fuser detection (ms) | module keys analysed "
+            "| objects left alive, this / native |",
+            "|---:|" + "---:|" * (len(VARIANTS) + 4),
         ]
         for index, row in enumerate(built["this"]["rows"]):
+            native = built["native"]["rows"][index]
             cells = [f"{built[n]['rows'][index]['construct_s'] * 1e3:.0f}" for n in VARIANTS]
+            # Summaries before the count was taken have none.
+            kept = (
+                f"{row['objects_kept']} / {native['objects_kept']}"
+                if "objects_kept" in row
+                else ""
+            )
             lines.append(
                 f"| {row['layers']} | " + " | ".join(cells)
-                + f" | {row['detect_s'] * 1e3:.1f} | {row['keys_analysed']} |"
+                + f" | {row['construct_s'] / native['construct_s']:.1f}x"
+                + f" | {row['detect_s'] * 1e3:.1f} | {row['keys_analysed']} | {kept} |"
             )
         lines.append(
             f"| per layer ({PER_LAYER[0]} to {PER_LAYER[1]}) | "
             + " | ".join(f"{built[n]['per_layer_s'] * 1e3:.2f}" for n in VARIANTS)
-            + " | | |"
+            + " | | | | |"
         )
+    starts = summary.get("start")
+    if starts:
+        lines += [
+            "",
+            (
+                f"Whole engine start (`LLM(...)` with the engine in the calling process, "
+                f"tiny Llama of {starts['layers']} layers, dummy weights, a fresh "
+                f"compile cache each; median of {starts['rounds']} starts each, "
+                "alternating):"
+            ),
+            "",
+            "| mode | this (s) | native (s) | this - native (s) | model init, this / "
+            "native (s) | full collections, this / native |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for mode in MODES:
+            if mode not in starts:
+                continue
+            this, native = starts[mode]["median"]["this"], starts[mode]["median"]["native"]
+            lines.append(
+                f"| {mode} | {this['start_s']:.1f} | {native['start_s']:.1f} "
+                f"| {starts[mode]['start_minus_native_s']:+.1f} "
+                f"| {this['init_model_s']:.2f} / {native['init_model_s']:.2f} "
+                f"| {this['full_gcs']:g} / {native['full_gcs']:g} |"
+            )
     return "\n".join(lines)
 
 
@@ -1116,13 +1313,15 @@ def plot(summary: dict[str, Any], out_file: Path) -> None:
 
 def merge_main(out_file: Path, in_files: list[Path]) -> None:
     """One summary (tables and plot) from runs made part by part: their throughput
-    results in order, the first construction found, the dates and loads of each."""
+    results in order, the first construction and engine starts found, the dates and
+    loads of each."""
     parts = [json.loads(f.read_text()) for f in in_files]
     summary = dict(parts[0])
     summary["throughput"] = [r for part in parts for r in part.get("throughput", [])]
-    summary["construction"] = next(
-        (part["construction"] for part in parts if part.get("construction")), None
-    )
+    for measured in ("construction", "start"):
+        summary[measured] = next(
+            (part[measured] for part in parts if part.get(measured)), None
+        )
     summary["parts"] = [
         dict(date=part["date"], machine=part["machine"], file=str(f))
         for part, f in zip(parts, in_files)
@@ -1138,6 +1337,8 @@ def main(argv: list[str]) -> None:
         return engine_main(argv[1])
     if argv[:1] == ["construct"]:
         return construct_main(argv[1], argv[2])
+    if argv[:1] == ["start"]:
+        return start_main(argv[1])
     if argv[:1] == ["merge"]:
         return merge_main(Path(argv[1]), [Path(a) for a in argv[2:]])
 
@@ -1176,6 +1377,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--profile", action="store_true", help="ops of a batch each")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-construction", action="store_true")
+    parser.add_argument(
+        "--skip-start", action="store_true", help="no whole engine starts"
+    )
+    parser.add_argument(
+        "--start-rounds",
+        type=int,
+        default=START_ROUNDS,
+        help=f"starts of each implementation per mode (default {START_ROUNDS})",
+    )
     parser.add_argument("--out", type=Path, default=CACHE / "latest.json")
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -1210,6 +1420,9 @@ def main(argv: list[str]) -> None:
     if not args.skip_construction:
         print("Construction on meta ...", flush=True)
         summary["construction"] = construction(log_dir)
+    if not args.skip_start:
+        print(f"Engine starts ({args.modes}) ...", flush=True)
+        summary["start"] = engine_starts(args, log_dir)
     if not args.skip_throughput:
         summary["throughput"] = []
         for model_type in models:

@@ -56,7 +56,8 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.models.transformers import fusion_report
 from vllm.model_executor.models.transformers.fusion_report import LinearReport
-from vllm.model_executor.models.transformers.plan import FusionPlan, get_fusers
+from vllm.model_executor.models.transformers.plan import FusionPlan
+from vllm.model_executor.models.transformers.rewriting import sources_read_by_build
 from vllm.model_executor.models.transformers.masks import read_layer_masks
 from vllm.model_executor.models.transformers.linears import HF_LINEARS
 from vllm.model_executor.models.transformers.parallel import (
@@ -71,7 +72,10 @@ from vllm.model_executor.models.transformers.utils import (
     tokens_as_rows,
     tp_style,
 )
-from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
+from vllm.model_executor.models.utils import (
+    WeightsMapper,
+    make_empty_intermediate_tensors_factory,
+)
 from vllm.sequence import IntermediateTensors
 
 if TYPE_CHECKING:
@@ -336,7 +340,8 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         self.report = fusion_report.active()
         self.report.model = vllm_config.model_config.model
         try:
-            self.build(vllm_config, prefix)
+            with sources_read_by_build():
+                self.build(vllm_config, prefix)
         except ValueError as error:
             self.report.fail(str(error))
             raise
@@ -402,7 +407,6 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         # After fusing: a mixer a fuser put on vLLM's state layers keeps no state
         # in Transformers' cache any more; any other module that does is refused.
         refuse_state_beyond_keys_and_values(self.model, BASE, self.plan.why_not)
-        self.hf_to_vllm_mapper = self.layout.mapper()
         self.embedding_modules = self.input_embedding_modules()
         layer_names = {
             i: describe_layer(f"{BASE}.{layers_name}.{i}", layers[i])
@@ -419,6 +423,15 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             layer_masks,
         )
         return hf_model
+
+    @property
+    def hf_to_vllm_mapper(self) -> WeightsMapper | None:
+        """Checkpoint names -> this model's, made when asked for (loading weights,
+        LoRA), so that Transformers' checkpoint conversions are read then and not
+        during the build (`CheckpointLayout.conversions`); `None` before the build
+        (vLLM's `SupportsQuant` asks as the instance is created)."""
+        layout: CheckpointLayout | None = self.__dict__.get("layout")
+        return layout.mapper() if layout is not None else None
 
     def attention_layers(self, sites: dict[int, AttentionSite]) -> Sequence[int]:
         """The decoder layers that must dispatch attention to vLLM (`sites`: the
@@ -465,7 +478,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         fusers = self.plan[module]
         self.report.record_module(
             type(module).__name__,
-            matched=[type(f).__name__ for f in get_fusers(module)],
+            matched=[type(f).__name__ for f in self.plan.matched(module)],
             applied=[type(f).__name__ for f in fusers],
         )
         # Read before fusing: the fusers may rename the module's children.

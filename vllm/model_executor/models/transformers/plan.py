@@ -187,10 +187,11 @@ _analysis_lock = threading.RLock()
 
 def analyse(module: nn.Module) -> ClassAnalysis:
     """Stage 1 for `module`'s key: every fuser that applies, and every decline."""
+    module_key = key(module)
     with _analysis_lock:
-        found = _analyses.get(key(module))
+        found = _analyses.get(module_key)
         if found is None:
-            found = _analyses[key(module)] = _analyse(module)
+            found = _analyses[module_key] = _analyse(module)
         return found
 
 
@@ -361,6 +362,13 @@ class FusionPlan(Mapping[nn.Module, tuple[BaseFuser, ...]]):
 
     def __getitem__(self, module: nn.Module) -> tuple[BaseFuser, ...]:
         return self._fusers.get(module, ())
+
+    def matched(self, module: nn.Module) -> tuple[BaseFuser, ...]:
+        """The fusers the class analysis found for `module`; none for a module the
+        plan never saw (a vLLM layer a fuser built, which is not analysed: it is
+        vLLM's already)."""
+        analysis = self.analysed.get(module)
+        return analysis.fusers if analysis is not None else ()
 
     def fuser(self, module: nn.Module, cls: type[F]) -> F | None:
         """The fuser of class `cls` the plan gives `module`, if any."""

@@ -15,7 +15,9 @@ import functools
 import inspect
 import os
 import textwrap
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,31 @@ def forward_source(cls: type[nn.Module]) -> ForwardSource | None:
         return None
     indent = len(lines[0]) - len(lines[0].lstrip())
     return ForwardSource(function, filename, first_line, indent)
+
+
+_builds_reading = 0
+_builds_reading_lock = threading.Lock()
+
+
+@contextmanager
+def sources_read_by_build() -> Iterator[None]:
+    """Around a model's build: when the last build in progress ends, forget the
+    parsed forward sources. Their syntax trees are thousands of objects that every
+    later full garbage collection would visit for the life of the process (vLLM
+    starts the engine right after the build), while what the class analysis
+    decided from them stays in its own cache; a later build parses again the few
+    it reads, in milliseconds. Fusers keep source positions (`Span`), never nodes
+    they compare with a later parse, so a fresh parse reads the same."""
+    global _builds_reading
+    with _builds_reading_lock:
+        _builds_reading += 1
+    try:
+        yield
+    finally:
+        with _builds_reading_lock:
+            _builds_reading -= 1
+            if not _builds_reading:
+                forward_source.cache_clear()
 
 
 def _is_private(name: str) -> bool:
