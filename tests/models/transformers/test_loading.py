@@ -83,17 +83,6 @@ def test_a_whole_checkpoint_loads_every_tensor_where_it_belongs(checkpoint, load
     )
 
 
-def test_transformers_conversions_are_read_when_weights_load_not_in_the_build(
-    checkpoint, build_backend, load
-):
-    """The first question for Transformers' checkpoint conversions builds its table
-    for every model type (thousands of objects a full collection then visits, and
-    tens of milliseconds): the build leaves it to loading."""
-    built = build_backend(small_config("llama"))
-    assert "conversions" not in vars(built.layout)
-    assert "conversions" in vars(load().layout)
-
-
 @pytest.mark.parametrize(
     "dropped",
     [

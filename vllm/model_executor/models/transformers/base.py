@@ -72,10 +72,7 @@ from vllm.model_executor.models.transformers.utils import (
     tokens_as_rows,
     tp_style,
 )
-from vllm.model_executor.models.utils import (
-    WeightsMapper,
-    make_empty_intermediate_tensors_factory,
-)
+from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory
 from vllm.sequence import IntermediateTensors
 
 if TYPE_CHECKING:
@@ -407,6 +404,7 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
         # After fusing: a mixer a fuser put on vLLM's state layers keeps no state
         # in Transformers' cache any more; any other module that does is refused.
         refuse_state_beyond_keys_and_values(self.model, BASE, self.plan.why_not)
+        self.hf_to_vllm_mapper = self.layout.mapper()
         self.embedding_modules = self.input_embedding_modules()
         layer_names = {
             i: describe_layer(f"{BASE}.{layers_name}.{i}", layers[i])
@@ -423,15 +421,6 @@ class Base(nn.Module, VllmModel, SupportsQuant, SupportsLoRA, SupportsPP):
             layer_masks,
         )
         return hf_model
-
-    @property
-    def hf_to_vllm_mapper(self) -> WeightsMapper | None:
-        """Checkpoint names -> this model's, made when asked for (loading weights,
-        LoRA), so that Transformers' checkpoint conversions are read then and not
-        during the build (`CheckpointLayout.conversions`); `None` before the build
-        (vLLM's `SupportsQuant` asks as the instance is created)."""
-        layout: CheckpointLayout | None = self.__dict__.get("layout")
-        return layout.mapper() if layout is not None else None
 
     def attention_layers(self, sites: dict[int, AttentionSite]) -> Sequence[int]:
         """The decoder layers that must dispatch attention to vLLM (`sites`: the

@@ -2,9 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checkpoint names -> this backend's module names, and loading through vLLM's loader."""
 
-import functools
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,13 +186,14 @@ class CheckpointLayout:
     base_children: tuple[str, ...]
     lm_head_name: str | None
     lm_head_bias: bool
-    ask_conversions: Callable[[], list]
-    """Asks Transformers for the checkpoint conversions of the model's sub-models
-    (renamings, per-expert stacks), on first use (`conversions`)."""
+    renamings: list[WeightRenaming]
     ignored: list[str]
     shapes: dict[str, tuple[tuple[int, ...], str]]
     """Each tensor the HF model was built with, by the backend's name before
     stacking: its shape and its module's class (what a checkpoint tensor must fit)."""
+    per_expert: dict[re.Pattern, str] = field(default_factory=dict)
+    """Per-expert checkpoint tensors -> `<expert>.<fused parameter>.<shard>`, the
+    part of Transformers' fused experts parameter each one is."""
     stacked: dict[str, tuple[str, ShardId]] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)
     """Checkpoint name prefix -> the prefix of the layer that loads it instead."""
@@ -211,40 +211,21 @@ class CheckpointLayout:
         lm_head_name = next(
             (name for name, child in hf_model.named_children() if child is output), None
         )
+        conversions = get_model_conversion_mapping(hf_model)
         base_prefix, base = base_model_of(hf_model)
         return cls(
             base_prefix=base_prefix,
             base_children=tuple(name for name, _ in base.named_children()),
             lm_head_name=lm_head_name,
             lm_head_bias=getattr(output, "bias", None) is not None,
-            ask_conversions=functools.partial(
-                get_model_conversion_mapping, _SubModels(hf_model)
-            ),
+            renamings=[t for t in conversions if isinstance(t, WeightRenaming)],
             ignored=list(hf_model._keys_to_ignore_on_load_unexpected or []),
+            per_expert=_per_expert_names(conversions),
             shapes=_tensors(
                 [(BASE, base)]
                 + ([(LM_HEAD, output)] if output is not None else [])
             ),
         )
-
-    @functools.cached_property
-    def conversions(self) -> list:
-        """Transformers' checkpoint conversions for the model. Asked for when weights
-        load (or a quantisation config needs the names), not at construction: the
-        first question builds Transformers' table for every model type it knows
-        (about 6,400 objects, kept for the process), which right in the build set
-        off one more full garbage collection of the whole heap as vLLM started."""
-        return self.ask_conversions()
-
-    @property
-    def renamings(self) -> list[WeightRenaming]:
-        return [t for t in self.conversions if isinstance(t, WeightRenaming)]
-
-    @property
-    def per_expert(self) -> dict[re.Pattern, str]:
-        """Per-expert checkpoint tensors -> `<expert>.<fused parameter>.<shard>`, the
-        part of Transformers' fused experts parameter each one is."""
-        return _per_expert_names(self.conversions)
 
     def add_stacked(self, stacked: dict[str, tuple[str, ShardId]]) -> None:
         """Route original linears' tensors into the shards of a fused linear."""
@@ -553,25 +534,6 @@ class _KeptStackedExperts:
             if all(rows == parameter.shape[1] for rows in per_expert):
                 full.add(target)
         return full
-
-
-class _SubModels:
-    """The sub-models of an HF model (`PreTrainedModel` modules: their names, classes
-    and configs) as Transformers' conversion lookup walks them, captured as the
-    model is built: the build then replaces layers and, under pipeline
-    parallelism, whole sub-models another stage owns, which the lookup must still
-    see (their checkpoint tensors are named as they were)."""
-
-    def __init__(self, hf_model: PreTrainedModel):
-        self.base_model_prefix = hf_model.base_model_prefix
-        self._sub_models = [
-            (name, module)
-            for name, module in hf_model.named_modules()
-            if isinstance(module, PreTrainedModel)
-        ]
-
-    def named_modules(self) -> Iterator[tuple[str, PreTrainedModel]]:
-        return iter(self._sub_models)
 
 
 def _per_expert_names(conversions: list) -> dict[re.Pattern, str]:
