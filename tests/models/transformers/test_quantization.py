@@ -141,8 +141,11 @@ def test_the_int4_gemm_stand_in_computes_what_the_kernel_does(
         expected = KERNELS["cpu_gemm_wna16"](*arguments)
     except (NotImplementedError, RuntimeError) as error:
         pytest.skip(f"vLLM's int4 kernel does not run here: {error}")
+    # One float16 rounding step: the kernel's accumulation order follows the host's
+    # ISA (measured 2026-12-08 on a Zen 4 host: AWQ, 1 of 640 outputs 9.5e-7 off,
+    # 9.3e-4 relative); a stand-in computing anything else is off by far more.
     torch.testing.assert_close(
-        tiny_quant.gemm_wna16(*arguments), expected, rtol=0, atol=0
+        tiny_quant.gemm_wna16(*arguments), expected, rtol=2**-10, atol=0
     )
 
 
