@@ -85,8 +85,9 @@ def mixer_dims(module: nn.Module) -> GatedDeltaNetDims | str:
         return f"its norm holds no weight of one value head's width ({head_v_dim})"
     if not isinstance(eps, float):
         return "its norm holds no epsilon"
-    if getattr(module, "activation", None) not in _ACTIVATIONS:
-        return f"its convolution's activation is {module.activation!r}, not silu"
+    activation = getattr(module, "activation", None)
+    if activation not in _ACTIVATIONS:
+        return f"its convolution's activation is {activation!r}, not silu"
     interleaved = hasattr(module, "in_proj_qkvz")
     widths = (
         {"in_proj_qkvz": 2 * key_dim + 2 * value_dim, "in_proj_ba": 2 * num_v_heads}
